@@ -1,0 +1,26 @@
+# One command each: `make serve` sets up and serves the default model; `make test` sets up and
+# runs the CPU test suite (what CI runs).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup serve test gpu-test
+
+$(BIN)/mtpserve: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first, so nothing below pulls a CUDA build.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(BIN)/mtpserve
+
+setup: $(BIN)/mtpserve
+
+serve: setup
+	$(BIN)/mtpserve serve
+
+test: setup
+	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" tests
+
+gpu-test:
+	python3 -m pytest -q -m gpu tests
