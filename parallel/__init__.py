@@ -1,1 +1,1 @@
-"""parallel"""
+"""Process groups, collectives, and the tensor-/expert-parallel layers the model is built from."""

@@ -1,0 +1,55 @@
+"""Where kernels run: the one PDL gate, and whether Triton kernels are used at all.
+
+Environment variables are read here and nowhere else in `kernels/`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_interpreter() -> bool:
+    return _env_flag("TRITON_INTERPRET")
+
+
+def force_reference() -> bool:
+    """MTPSERVE_FORCE_REFERENCE=1 makes every op run its pure-torch twin."""
+    return _env_flag("MTPSERVE_FORCE_REFERENCE")
+
+
+@functools.cache
+def _cuda_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def pdl_enabled(device: torch.device | None = None) -> bool:
+    """The single decision on programmatic dependent launch.
+
+    True only on CUDA (not ROCm, not XPU) with compute capability >= 9.0, outside Triton's
+    interpreter, and unless MTPSERVE_DISABLE_PDL=1. Every USE_PDL constexpr, every `launch_pdl=`
+    keyword, every warm-up enumeration and DeepGEMM's set_pdl asks this function.
+    """
+    if _env_flag("MTPSERVE_DISABLE_PDL") or triton_interpreter():
+        return False
+    if device is not None and device.type != "cuda":
+        return False
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return False
+    if getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
+        return False
+    index = device.index if device is not None and device.index is not None else 0
+    return _cuda_capability(index)[0] >= 9
+
+
+def use_triton(device: torch.device) -> bool:
+    """Triton kernels on CUDA devices (or anywhere under the interpreter), unless forced off."""
+    if force_reference():
+        return False
+    return device.type == "cuda" or triton_interpreter()

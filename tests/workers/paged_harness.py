@@ -1,0 +1,43 @@
+"""A minimal paged-cache driver for model tests: sequences, block tables, mixed batches."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.attention_metadata import AttentionMetadata
+from workers.kv_cache import allocate_kv_caches
+
+BLOCK = 64
+
+
+class PagedHarness:
+    """Feeds a model mixed batches (any number of new tokens per sequence) over a paged cache."""
+
+    def __init__(self, model, num_seqs: int, max_len: int, num_blocks: int | None = None):
+        self.model = model
+        blocks_per_seq = -(-max_len // BLOCK)
+        num_blocks = num_blocks or num_seqs * blocks_per_seq + 1
+        kv, idx = allocate_kv_caches(model.config, num_blocks, BLOCK, model.dtype, "cpu")
+        model.bind_caches(kv, idx)
+        # Interleave block ids across sequences so a sequence's blocks are not contiguous.
+        ids = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
+        self.block_tables = ids[: num_seqs * blocks_per_seq].view(blocks_per_seq, num_seqs).t()
+        self.block_tables = self.block_tables.to(torch.int32).contiguous()
+        self.lengths = [0] * num_seqs
+
+    def metadata(self, chunks: dict[int, int]) -> AttentionMetadata:
+        """chunks: seq -> number of new tokens this step (positions continue from its length)."""
+        positions, seq_idx, slots = [], [], []
+        for seq, n in chunks.items():
+            for p in range(self.lengths[seq], self.lengths[seq] + n):
+                positions.append(p)
+                seq_idx.append(seq)
+                slots.append(int(self.block_tables[seq, p // BLOCK]) * BLOCK + p % BLOCK)
+        for seq, n in chunks.items():
+            self.lengths[seq] += n
+        return AttentionMetadata(
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slots),
+            seq_idx=torch.tensor(seq_idx),
+            block_tables=self.block_tables,
+        )

@@ -1,0 +1,229 @@
+"""Loading a Hugging Face DeepSeek-V3.2 checkpoint: config.json + (sharded) safetensors.
+
+DeepSeek's tensor names map onto our modules almost 1:1; the exceptions are the fused gate/up
+projections, the per-expert tensors (packed into [E, ...] parameters), and the MTP layer
+(model.layers.{num_hidden_layers}.* -> mtp.*). FP8 tensors with a `weight_scale_inv` in 128x128
+blocks are dequantized on load. Every missing, unexpected or mis-shaped tensor is an error that
+names it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FP8_BLOCK = 128
+SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be served; the message names the file or tensor at fault."""
+
+
+def load_config(model_dir: str):
+    from transformers import AutoConfig
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{model_dir}: no config.json")
+    with open(path) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{path}: model_type {model_type!r} is not a DeepSeek-V3.2 model "
+            f"(expected one of {SUPPORTED_MODEL_TYPES})"
+        )
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def checkpoint_files(model_dir: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from the index if there is one."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    names = {}
+    for fname in files:
+        with safe_open(os.path.join(model_dir, fname), "pt") as f:
+            names.update({k: os.path.join(model_dir, fname) for k in f.keys()})
+    return names
+
+
+def has_mtp_layer(names, num_hidden_layers: int) -> bool:
+    prefix = f"model.layers.{num_hidden_layers}."
+    return any(n.startswith(prefix) for n in names)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """weight (float8) * scale_inv broadcast over 128x128 blocks -> fp32."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows]
+    scale = scale.repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return weight.float() * scale
+
+
+def iter_tensors(names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight, FP8 ones dequantized, scale tensors consumed."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name, path in names.items():
+        by_file.setdefault(path, []).append(name)
+    for path, keys in sorted(by_file.items()):
+        if not os.path.isfile(path):
+            raise CheckpointError(f"missing checkpoint file {path}")
+        with safe_open(path, "pt") as f:
+            for name in sorted(keys):
+                if name.endswith("_scale_inv"):
+                    continue
+                t = f.get_tensor(name)
+                if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    scale_name = name + "_scale_inv"
+                    if scale_name not in names:
+                        raise CheckpointError(f"{name} is FP8 but {scale_name} is missing")
+                    with safe_open(names[scale_name], "pt") as g:
+                        t = dequantize_fp8(t, g.get_tensor(scale_name))
+                yield name, t
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight$")
+
+
+def param_for(name: str, num_hidden_layers: int) -> tuple[str, object]:
+    """Checkpoint name -> (our parameter name, shard id for its weight_loader)."""
+    mtp_prefix = f"model.layers.{num_hidden_layers}."
+    if name.startswith(mtp_prefix):
+        name = "mtp." + name[len(mtp_prefix) :]
+    if m := _EXPERT.match(name):
+        base, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+        if kind == "down_proj":
+            return f"{base}.w2", expert
+        return f"{base}.w13", (expert, 0 if kind == "gate_proj" else 1)
+    if m := _FUSED.match(name):
+        return f"{m.group(1)}.gate_up_proj.weight", 0 if m.group(2) == "gate_proj" else 1
+    return name, None
+
+
+def load_weights(model: torch.nn.Module, model_dir: str, names: dict[str, str] | None = None):
+    """Fill every parameter of `model` from the checkpoint, or raise CheckpointError."""
+    config = model.config
+    n = config.num_hidden_layers
+    names = names if names is not None else checkpoint_files(model_dir)
+    params = dict(model.named_parameters())
+    # Parts the MTP layer may borrow from the main model when its checkpoint omits them.
+    optional = {"mtp.embed_tokens.weight", "mtp.shared_head.head.weight"}
+    if model.mtp is None:
+        names = {k: v for k, v in names.items() if not k.startswith(f"model.layers.{n}.")}
+    filled: dict[str, set] = {}
+    for ckpt_name, tensor in iter_tensors(names):
+        if _IGNORED.match(ckpt_name):
+            continue
+        if model.mtp is None and ckpt_name.startswith(f"model.layers.{n}."):
+            continue
+        pname, shard = param_for(ckpt_name, n)
+        if pname in optional and pname not in params:
+            _attach_mtp_part(model, pname, tensor.shape)
+            params = dict(model.named_parameters())
+        if pname not in params:
+            raise CheckpointError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
+        param = params[pname]
+        loader = getattr(param, "weight_loader", None)
+        try:
+            with torch.no_grad():
+                if loader is not None:
+                    loader(param, tensor.to(param.dtype), shard)
+                elif tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"expected {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                else:
+                    param.data.copy_(tensor)
+        except ValueError as e:
+            raise CheckpointError(f"tensor {ckpt_name!r}: {e}") from None
+        filled.setdefault(pname, set()).add(shard)
+    _check_complete(model, params, filled)
+    _tie_mtp_parts(model)
+
+
+def _attach_mtp_part(model, pname: str, shape) -> None:
+    from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    cfg = model.config
+    if pname == "mtp.embed_tokens.weight":
+        model.mtp.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, model.dtype)
+    else:
+        model.mtp.shared_head.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, model.dtype)
+
+
+def _tie_mtp_parts(model) -> None:
+    if model.mtp is None:
+        return
+    if model.mtp.embed_tokens is None:
+        model.mtp.embed_tokens = model.model.embed_tokens
+    if model.mtp.shared_head.head is None:
+        model.mtp.shared_head.head = model.head
+
+
+def _check_complete(model, params: dict, filled: dict[str, set]) -> None:
+    n = model.config.num_hidden_layers
+    cfg = model.config
+    for pname, param in params.items():
+        got = filled.get(pname)
+        if got is None:
+            raise CheckpointError(f"tensor for {_ckpt_name(pname, n)!r} missing from the checkpoint")
+        if pname.endswith("gate_up_proj.weight") and got != {0, 1}:
+            part = "up_proj" if 0 in got else "gate_proj"
+            raise CheckpointError(f"{_ckpt_name(pname, n).replace('gate_up_proj', part)!r} missing")
+        if pname.endswith(("experts.w13", "experts.w2")):
+            want = cfg.n_routed_experts * (2 if pname.endswith("w13") else 1)
+            if len(got) != want:
+                base = _ckpt_name(pname, n).rsplit(".", 1)[0]
+                missing = _missing_experts(got, cfg.n_routed_experts, pname.endswith("w13"))
+                raise CheckpointError(f"expert tensors missing under {base!r}: {missing}")
+
+
+def _missing_experts(got: set, num_experts: int, w13: bool) -> list[str]:
+    if w13:
+        return [f"{e}.{p}" for e in range(num_experts) for i, p in enumerate(("gate_proj", "up_proj"))
+                if (e, i) not in got][:8]
+    return [f"{e}.down_proj" for e in range(num_experts) if e not in got][:8]
+
+
+def _ckpt_name(pname: str, num_hidden_layers: int) -> str:
+    if pname.startswith("mtp."):
+        return f"model.layers.{num_hidden_layers}." + pname[4:]
+    return pname
+
+
+def load_model(
+    model_dir: str,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    enable_mtp: bool = True,
+):
+    """Build DeepseekV32ForCausalLM (this rank's shard) and load it. Returns (model, config)."""
+    from workers.model import DeepseekV32ForCausalLM
+
+    config = load_config(model_dir)
+    names = checkpoint_files(model_dir)
+    with_mtp = enable_mtp and has_mtp_layer(names, config.num_hidden_layers)
+    if enable_mtp and not with_mtp:
+        logger.warning(
+            "%s has no MTP layer (model.layers.%d.*): speculative decoding is off",
+            model_dir, config.num_hidden_layers,
+        )
+    model = DeepseekV32ForCausalLM(config, dtype=dtype, with_mtp=with_mtp)
+    load_weights(model, model_dir, names)
+    return model.to(device).eval(), config

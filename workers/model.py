@@ -1,0 +1,392 @@
+"""DeepSeek-V3.2 (MLA + lightning indexer + MoE) with its MTP layer, over a paged KV cache.
+
+Module and parameter names follow DeepSeek's checkpoint names, so the loader maps almost 1:1.
+Every op goes through `kernels.ops`; tensor parallelism lives inside the `parallel` layers.
+Numerics match `transformers`' `DeepseekV32ForCausalLM` (our parity oracle, see tests/workers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kernels import ops
+from parallel.collectives import tp_all_reduce
+from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from parallel.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from parallel.state import get_parallel_state
+from workers.attention_metadata import AttentionMetadata
+
+# DeepSeek builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
+# config.rms_norm_eps; the indexer's key LayerNorm also uses 1e-6.
+LATENT_NORM_EPS = 1e-6
+INDEXER_NORM_EPS = 1e-6
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype))
+        self.eps = eps
+
+
+def yarn_softmax_scale(config) -> float:
+    """qk_head_dim ** -0.5, times mscale ** 2 under YaRN (DeepSeek's long-context scaling)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        if factor > 1:
+            mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0
+            scale *= mscale * mscale
+    return scale
+
+
+class Rotary(nn.Module):
+    """Inverse frequencies and YaRN attention scaling, computed by `transformers` itself."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope = config.rope_parameters or {"rope_type": "default"}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            dim = config.qk_rope_head_dim
+            inv_freq = 1.0 / (
+                rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+            )
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def cos_sin(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # One computation per forward, shared by every layer (and the MTP layer's own pass).
+        if "cos_sin" not in meta.rope_cache:
+            meta.rope_cache["cos_sin"] = ops.rope_cos_sin(
+                meta.positions, self.inv_freq, self.attention_scaling
+            )
+        return meta.rope_cache["cos_sin"]
+
+
+class Indexer(nn.Module):
+    """The lightning indexer: which min(index_topk, pos + 1) past positions each token attends to."""
+
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.wq_b = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim, dtype)
+        self.wk = ReplicatedLinear(config.hidden_size, self.head_dim, dtype)
+        self.k_norm = LayerNorm(self.head_dim, INDEXER_NORM_EPS, dtype)
+        # fp32, as DeepSeek and transformers keep it: the head weights decide near-ties.
+        self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads, torch.float32)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden], the attention input (after input_layernorm)
+        q_latent: torch.Tensor,  # [T, q_lora_rank], after q_a_layernorm
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, index_head_dim]
+    ) -> torch.Tensor:
+        cos, sin = cos_sin
+        num_tokens = x.shape[0]
+        q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
+        q = torch.cat(
+            [ops.rope(q[..., : self.rope_dim], cos, sin, False), q[..., self.rope_dim :]], -1
+        )
+        ops.indexer_k_cache_write(
+            self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
+            k_cache, meta.slot_mapping,
+        )
+        weights = self.weights_proj(x.float()) * self.num_heads**-0.5  # [T, H] fp32
+        return ops.indexer_topk(
+            q, weights, k_cache, meta.block_tables, meta.seq_idx, meta.positions, self.topk,
+            self.head_dim**-0.5,
+        )
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention, absorbed: attention runs in the kv_lora_rank latent space."""
+
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        tp_size = get_parallel_state().tp_size
+        self.num_heads = config.num_attention_heads // tp_size
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        heads = config.num_attention_heads
+        self.q_a_proj = ReplicatedLinear(config.hidden_size, config.q_lora_rank, dtype)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, dtype)
+        self.q_b_proj = ColumnParallelLinear(
+            config.q_lora_rank, heads * (self.nope_dim + self.rope_dim), dtype
+        )
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            config.hidden_size, self.kv_lora_rank + self.rope_dim, dtype
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype
+        )
+        self.o_proj = RowParallelLinear(heads * self.v_dim, config.hidden_size, dtype)
+        self.indexer = Indexer(config, dtype)
+        self.softmax_scale = yarn_softmax_scale(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+        index_cache: torch.Tensor,  # [num_blocks, block_size, index_head_dim]
+    ) -> torch.Tensor:
+        cos, sin = cos_sin
+        num_tokens = x.shape[0]
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = ops.rope(q_rope, cos, sin, True)
+        ops.mla_kv_cache_write(
+            self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+            cos, sin, kv_cache, meta.slot_mapping,
+        )
+        if meta.shared_topk is not None:
+            topk = meta.shared_topk
+        else:
+            topk = self.indexer(x, q_latent, cos_sin, meta, index_cache)
+            meta.computed_topk = topk
+        # W_UK / W_UV out of kv_b_proj: [heads, nope + v, kv_lora_rank]
+        w_kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
+        w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
+        q_absorbed = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [T, H, kv_lora_rank]
+        out_latent = ops.sparse_mla_attention(
+            torch.cat([q_absorbed, q_rope], -1), kv_cache, meta.block_tables, meta.seq_idx, topk,
+            self.softmax_scale, self.kv_lora_rank,
+        )  # [T, H, kv_lora_rank]
+        out = torch.einsum("thl,hvl->thv", out_latent, w_uv).reshape(num_tokens, -1)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, reduce_results=True):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, dtype, reduce_results)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class Gate(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        # fp32 as in DeepSeek's reference: routing decisions are discontinuous.
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.n_routed_experts), requires_grad=False
+        )
+
+
+class Experts(nn.Module):
+    """This rank's routed experts: w13 [E_local, 2 * I_local, hidden], w2 [E_local, hidden, I_local]."""
+
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        state = get_parallel_state()
+        self.num_experts = config.n_routed_experts
+        if self.num_experts % state.ep_size:
+            raise ValueError(f"{self.num_experts} experts do not split over ep_size={state.ep_size}")
+        self.num_local = self.num_experts // state.ep_size
+        self.first_expert = state.ep_rank * self.num_local
+        inter = config.moe_intermediate_size
+        if inter % state.expert_tp_size:
+            raise ValueError(f"moe_intermediate_size={inter} does not split over TP")
+        self.inter_full = inter
+        self.inter_local = inter // state.expert_tp_size
+        self.inter_offset = state.expert_tp_rank * self.inter_local
+        hidden = config.hidden_size
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter_local, hidden, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter_local, dtype=dtype))
+        self.w13.weight_loader = self.load_w13
+        self.w2.weight_loader = self.load_w2
+
+    def _local(self, expert: int) -> int | None:
+        e = expert - self.first_expert
+        return e if 0 <= e < self.num_local else None
+
+    def load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
+        expert, part = shard_id  # part 0 = gate_proj, 1 = up_proj
+        expected = (self.inter_full, param.shape[2])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expected {expected}, got {tuple(loaded.shape)}")
+        if (e := self._local(expert)) is not None:
+            rows = loaded.narrow(0, self.inter_offset, self.inter_local)
+            param.data[e, part * self.inter_local : (part + 1) * self.inter_local].copy_(rows)
+
+    def load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
+        expected = (param.shape[1], self.inter_full)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expected {expected}, got {tuple(loaded.shape)}")
+        if (e := self._local(shard_id)) is not None:
+            param.data[e].copy_(loaded.narrow(1, self.inter_offset, self.inter_local))
+
+
+class MoE(nn.Module):
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.gate = Gate(config)
+        self.experts = Experts(config, dtype)
+        self.shared_experts = MLP(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, dtype,
+            reduce_results=False,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        router_logits = x.float() @ self.gate.weight.float().t()  # [T, E]
+        weights, ids = ops.moe_route(
+            router_logits, self.gate.e_score_correction_bias, c.n_group, c.topk_group,
+            c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor,
+        )
+        routed = ops.grouped_moe(
+            x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first_expert
+        )
+        # One all-reduce sums the shared expert's row-parallel partials and every rank's experts.
+        return tp_all_reduce(routed + self.shared_experts(x))
+
+
+def is_moe_layer(config, layer_idx: int) -> bool:
+    types = getattr(config, "mlp_layer_types", None)
+    if types is not None and layer_idx < len(types):
+        return types[layer_idx] == "sparse"
+    return layer_idx >= config.first_k_dense_replace
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = MLAAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if is_moe_layer(config, layer_idx):
+            self.mlp = MoE(config, dtype)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype)
+
+    def forward(self, h, cos_sin, meta, kv_cache, index_cache) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, meta, kv_cache, index_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.head: ParallelLMHead | None = None  # set to the checkpoint's or the main lm_head
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token-prediction module (checkpoint prefix model.layers.{N}).
+
+    h' = eh_proj([enorm(embed(token_{i+1})), hnorm(h_i)]), one full decoder layer (its own indexer
+    and MoE), then shared_head.norm; logits through shared_head.head. The output after the norm is
+    also the hidden state the next draft step is fed.
+    """
+
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype):
+        super().__init__(config, layer_idx, dtype)
+        hidden = config.hidden_size
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+        self.eh_proj = ReplicatedLinear(2 * hidden, hidden, dtype)
+        self.shared_head = SharedHead(config, dtype)
+
+    def forward(self, input_ids, prev_hidden, cos_sin, meta, kv_cache, index_cache):
+        e = self.enorm(self.embed_tokens(input_ids))
+        h = self.eh_proj(torch.cat([e, self.hnorm(prev_hidden)], dim=-1))
+        h = super().forward(h, cos_sin, meta, kv_cache, index_cache)
+        return self.shared_head.norm(h)
+
+
+class DeepseekV32ForCausalLM(nn.Module):
+    """Target model plus (optionally) its MTP layer; caches are bound by the model runner.
+
+    `kv_caches[i]` / `index_caches[i]` are layer i's latent and indexer-key caches; index
+    num_hidden_layers is the MTP layer's.
+    """
+
+    def __init__(self, config, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        n = config.num_hidden_layers
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.model.layers = nn.ModuleList([DecoderLayer(config, i, dtype) for i in range(n)])
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head = None
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        self.rotary = Rotary(config)
+        self.mtp = MTPLayer(config, n, dtype) if with_mtp else None
+        self.kv_caches: list[torch.Tensor] = []
+        self.index_caches: list[torch.Tensor] = []
+
+    @property
+    def head(self) -> nn.Module:
+        return self.lm_head if self.lm_head is not None else self.model.embed_tokens
+
+    def bind_caches(self, kv_caches: list[torch.Tensor], index_caches: list[torch.Tensor]) -> None:
+        self.kv_caches, self.index_caches = kv_caches, index_caches
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [T] -> hidden states after the final norm [T, hidden]."""
+        cos_sin = self.rotary.cos_sin(meta)
+        h = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos_sin, meta, self.kv_caches[i], self.index_caches[i])
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return ParallelLMHead.forward(self.head, hidden).float()
+
+    def mtp_forward(
+        self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """One MTP step: token i+1 and hidden state i -> MTP hidden after shared_head.norm."""
+        n = self.config.num_hidden_layers
+        return self.mtp(
+            input_ids, prev_hidden, self.rotary.cos_sin(meta), meta, self.kv_caches[n],
+            self.index_caches[n],
+        )
+
+    def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        return ParallelLMHead.forward(self.mtp.shared_head.head, mtp_hidden).float()
