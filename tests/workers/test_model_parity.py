@@ -23,10 +23,12 @@ def _oracle(model_dir: str):
 
 
 @torch.no_grad()
-def run_mixed_batch_parity(model_dir: str, prompt_lens=(40, 7, 23, 18), decode_steps: int = 8):
+def run_mixed_batch_parity(
+    model_dir: str, prompt_lens=(40, 7, 23, 18), decode_steps: int = 8, oracle_dir: str | None = None
+) -> float:
     """Prefill several prompts in one flattened batch, then decode all of them together."""
     model, config = load_model(model_dir, dtype=torch.float32)
-    oracle = _oracle(model_dir)
+    oracle = _oracle(oracle_dir or model_dir)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in prompt_lens]
     harness = PagedHarness(model, len(seqs), max(prompt_lens) + decode_steps + 1)

@@ -1,0 +1,144 @@
+"""Checkpoint loading: FP8 copies, the MTP layer's optional parts, and bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tests.workers.test_model_parity import ATOL, run_mixed_batch_parity
+from workers.loader import CheckpointError, FP8_BLOCK, dequantize_fp8, load_model
+from workers.tiny_model import _write_index
+
+
+def _rewrite(src: str, dst: str, edit) -> str:
+    """Copy a checkpoint, passing every tensor dict through edit(tensors) -> tensors."""
+    shutil.copytree(src, dst)
+    for fname in os.listdir(dst):
+        if fname.endswith(".safetensors"):
+            path = os.path.join(dst, fname)
+            with safe_open(path, "pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            save_file(edit(tensors), path, metadata={"format": "pt"})
+    _write_index(dst)
+    return dst
+
+
+def _quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise FP8 as DeepSeek ships it: per 128x128 block, scale = amax / 448."""
+    rows, cols = w.shape
+    br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK)
+    padded[:rows, :cols] = w
+    blocks = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def _is_quantized_linear(name: str, t: torch.Tensor) -> bool:
+    skip = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "weights_proj", "eh_proj")
+    return t.dim() == 2 and name.endswith(".weight") and not any(s in name for s in skip)
+
+
+def test_fp8_checkpoint_dequantizes_exactly(tiny_model_dir, tmp_path):
+    def quantize(tensors):
+        out = {}
+        for k, t in tensors.items():
+            if _is_quantized_linear(k, t):
+                out[k], out[k + "_scale_inv"] = _quantize_fp8(t.float())
+            else:
+                out[k] = t
+        return out
+
+    fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), quantize)
+    # The oracle is transformers on the dequantized weights: our loader must reproduce exactly
+    # those numbers (then the model parity bound applies unchanged).
+    def dequantize(tensors):
+        return {k: dequantize_fp8(t, tensors[k + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn
+                else t for k, t in tensors.items() if not k.endswith("_scale_inv")}
+
+    deq_dir = _rewrite(fp8_dir, str(tmp_path / "deq"), dequantize)
+    fp8_model, _ = load_model(fp8_dir, dtype=torch.float32)
+    deq_model, _ = load_model(deq_dir, dtype=torch.float32)
+    for (name, a), (_, b) in zip(fp8_model.named_parameters(), deq_model.named_parameters()):
+        assert torch.equal(a, b), name
+    assert run_mixed_batch_parity(fp8_dir, (40, 9), 2, oracle_dir=deq_dir) < ATOL
+    # And FP8 is close to the original weights: block scales keep every element within e4m3's
+    # 3-bit mantissa (relative step 2**-3, so at most 1/16 relative error after rounding).
+    original, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    orig = dict(original.named_parameters())
+    for name, p in fp8_model.named_parameters():
+        err = (p - orig[name]).abs()
+        assert (err <= orig[name].abs() / 16 + 1e-3).all(), name
+
+
+def test_mtp_layer_borrows_embedding_and_head_when_absent(tiny_model_dir):
+    model, config = load_model(tiny_model_dir, dtype=torch.float32)
+    assert model.mtp.embed_tokens is model.model.embed_tokens
+    assert model.mtp.shared_head.head is model.lm_head
+
+
+def test_mtp_layer_own_embedding_and_head(tiny_model_dir, tmp_path):
+    n = 2
+
+    def add(tensors):
+        if "lm_head.weight" in tensors:
+            return tensors
+        tensors = dict(tensors)
+        tensors[f"model.layers.{n}.embed_tokens.weight"] = torch.full((512, 64), 0.5)
+        tensors[f"model.layers.{n}.shared_head.head.weight"] = torch.full((512, 64), 0.25)
+        return tensors
+
+    model, _ = load_model(_rewrite(tiny_model_dir, str(tmp_path / "own"), add), torch.float32)
+    assert model.mtp.embed_tokens is not model.model.embed_tokens
+    assert torch.all(model.mtp.embed_tokens.weight == 0.5)
+    assert torch.all(model.mtp.shared_head.head.weight == 0.25)
+
+
+def test_missing_mtp_layer_turns_mtp_off_with_warning(tiny_model_dir, tmp_path, caplog):
+    def drop(tensors):
+        return {k: t for k, t in tensors.items() if not k.startswith("model.layers.2.")}
+
+    with caplog.at_level(logging.WARNING):
+        model, _ = load_model(_rewrite(tiny_model_dir, str(tmp_path / "nomtp"), drop))
+    assert model.mtp is None
+    assert "no MTP layer" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.self_attn.q_b_proj.weight"},
+         "model.layers.1.self_attn.q_b_proj.weight"),
+        (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"},
+         "3.up_proj"),
+        (lambda t: {k: (v[:-1] if k == "model.layers.0.self_attn.kv_b_proj.weight" else v)
+                    for k, v in t.items()}, "model.layers.0.self_attn.kv_b_proj.weight"),
+        (lambda t: {**t, "model.layers.0.self_attn.surprise.weight": torch.zeros(2)}
+         if "model.embed_tokens.weight" in t else t, "model.layers.0.self_attn.surprise.weight"),
+    ],
+    ids=["missing", "missing-expert", "wrong-shape", "unexpected"],
+)
+def test_bad_tensors_are_named(tiny_model_dir, tmp_path, edit, message):
+    bad = _rewrite(tiny_model_dir, str(tmp_path / "bad"), edit)
+    with pytest.raises(CheckpointError, match=message.replace(".", r"\.")):
+        load_model(bad)
+
+
+def test_config_that_is_not_deepseek_v32(tiny_model_dir, tmp_path):
+    bad = str(tmp_path / "llama")
+    shutil.copytree(tiny_model_dir, bad)
+    with open(os.path.join(bad, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["model_type"] = "llama"
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(CheckpointError, match="not a DeepSeek-V3.2 model"):
+        load_model(bad)
