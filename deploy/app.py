@@ -1,0 +1,113 @@
+"""The Serve application: OpenAI ingress -> model server (one engine per replica).
+
+`build_app(args)` is the app builder for Serve configs (`import_path: deploy.app:build_app`) and
+is what `mtpserve serve` deploys. Resource shape of one model-server replica (STRICT_PACK, so an
+engine never straddles nodes):
+
+    bundle 0:          {"CPU": replica_num_cpus + actor_num_cpus}    the replica + coordinator
+    bundles 1..ranks:  {"CPU": actor_num_cpus, "GPU": gpus_per_worker} one per TP/EP worker rank
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve import Application
+
+from deploy.ingress import OpenAIIngress
+from deploy.model_server import ModelServer
+
+MODEL_SERVER_NAME = "ModelServer"
+INGRESS_NAME = "OpenAIIngress"
+
+
+class AppArgs(BaseModel):
+    """Arguments of `build_app`; the `args:` block of a Serve config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="checkpoint dir; None = default_model_path()")
+    tp_size: int = Field(1, ge=1)
+    ep_size: int = Field(1, ge=1)
+    num_draft_tokens: int = Field(0, ge=0)
+    share_topk: bool = False
+    device: str = "auto"
+    # Other `EngineConfig` fields (max_num_seqs, max_model_len, num_kv_blocks,
+    # max_queued_requests, executor, ...), passed through unchanged.
+    engine: dict[str, Any] = Field(default_factory=dict)
+    # Resources. Fractions let a TP=2 engine plus coordinator fit a 2-core CI box.
+    replica_num_cpus: float = Field(1.0, ge=0)
+    actor_num_cpus: float = Field(1.0, ge=0)
+    gpus_per_worker: float | None = Field(
+        None, ge=0, description="None: 1 if the cluster has GPUs and device is not cpu, else 0"
+    )
+    ingress_num_cpus: float = Field(1.0, ge=0)
+    # Serve routing: the engine queues and batches, so the replica takes many requests at once;
+    # past max_ongoing_requests Serve queues in the caller (and autoscaling sees the backlog).
+    model_server_max_ongoing_requests: int = Field(256, ge=1)
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+    num_replicas: int = Field(1, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+
+    @property
+    def num_worker_ranks(self) -> int:
+        return max(self.tp_size, self.ep_size)
+
+
+def engine_config_dict(args: AppArgs) -> dict[str, Any]:
+    """`model` stays None for the default model: each replica resolves it on its own node."""
+    return {
+        "model": args.model,
+        "tp_size": args.tp_size,
+        "ep_size": args.ep_size,
+        "num_draft_tokens": args.num_draft_tokens,
+        "share_topk": args.share_topk,
+        "device": args.device,
+        "actor_num_cpus": args.actor_num_cpus,
+        **args.engine,
+    }
+
+
+def _gpus_per_worker(args: AppArgs) -> float:
+    if args.gpus_per_worker is not None:
+        return args.gpus_per_worker
+    if args.device == "cpu":
+        return 0.0
+    # The builder runs inside the cluster (serve run/deploy, or the CLI's driver).
+    return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+def placement_bundles(args: AppArgs) -> list[dict[str, float]]:
+    worker_bundle = {"CPU": args.actor_num_cpus}
+    if (gpus := _gpus_per_worker(args)) > 0:
+        worker_bundle["GPU"] = gpus
+    head_bundle = {"CPU": args.replica_num_cpus + args.actor_num_cpus}
+    return [head_bundle] + [dict(worker_bundle) for _ in range(args.num_worker_ranks)]
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    scaling: dict[str, Any] = (
+        {"autoscaling_config": args.autoscaling_config}
+        if args.autoscaling_config else {"num_replicas": args.num_replicas}
+    )
+    model_server = serve.deployment(ModelServer).options(
+        name=MODEL_SERVER_NAME,
+        max_ongoing_requests=args.model_server_max_ongoing_requests,
+        ray_actor_options={"num_cpus": args.replica_num_cpus},
+        placement_group_bundles=placement_bundles(args),
+        placement_group_strategy="STRICT_PACK",
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=20,
+        **scaling,
+    )
+    ingress = serve.deployment(OpenAIIngress).options(
+        name=INGRESS_NAME,
+        max_ongoing_requests=args.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": args.ingress_num_cpus},
+    )
+    return ingress.bind(model_server.bind(engine_config_dict(args)))

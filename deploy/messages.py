@@ -1,0 +1,37 @@
+"""Typed messages between the ingress and the model-server deployment.
+
+An engine error is sent back as a `GenerateFailure` item in the stream rather than a raised
+exception: Serve wraps raised exceptions in `RayTaskError`, and the ingress needs the HTTP status
+before it sends the first byte, so the mapping from engine error to status lives in one place
+(`model_server.failure_from_exception`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cluster.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateFailure:
+    """An engine error, already classified for HTTP."""
+
+    status_code: int  # 400 invalid request, 503 overloaded or engine dead, 500 otherwise
+    error_type: str  # OpenAI error "type"
+    message: str
+    param: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    max_model_len: int
+    model_dir: str

@@ -1,0 +1,191 @@
+"""Translation between OpenAI request/response bodies and engine requests/outputs.
+
+No HTTP and no Ray here: the ingress calls these functions, and they are plain enough to test
+directly. `n` > 1 and batched completion prompts become one engine request per choice; choice
+`i` of a seeded request gets seed `seed + i` so choices differ yet reproduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cluster.outputs import RequestOutput
+from cluster.sampling_params import SamplingParams
+
+from deploy.openai_protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    TopLogprob,
+    UsageInfo,
+)
+
+
+@dataclasses.dataclass
+class ChoicePlan:
+    """One engine request: output choice `index`, generated from prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass
+class ChoiceResult:
+    """What one choice has produced so far."""
+
+    index: int
+    text: str = ""
+    num_prompt_tokens: int = 0
+    completion_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    def update(self, out: RequestOutput) -> None:
+        self.text = out.text
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.completion_token_ids = list(out.token_ids)
+        if out.logprobs is not None:  # cumulative over the completion
+            self.logprobs = list(out.logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def completion_prompt_token_ids(request: CompletionRequest, tokenizer) -> list[list[int]]:
+    """`prompt` may be a string, a list of strings, a token list, or a list of token lists."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    # Render to text, then encode: the template already places BOS where the model expects it.
+    prompt_text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
+    )
+    return tokenizer.encode(prompt_text, add_special_tokens=False)
+
+
+def sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_tokens: int,
+    num_logprobs: int | None,
+    choice_index: int,
+) -> SamplingParams:
+    """Engine parameters for choice `choice_index`. Unset fields keep the engine's defaults;
+    the engine validates values and raises `InvalidRequestError` (-> 400)."""
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    if request.temperature is not None:
+        kwargs["temperature"] = request.temperature
+    if request.top_p is not None:
+        kwargs["top_p"] = request.top_p
+    if request.top_k is not None:
+        kwargs["top_k"] = request.top_k
+    if request.seed is not None:
+        kwargs["seed"] = request.seed + choice_index
+    if request.stop:
+        kwargs["stop"] = request.stop_list()
+    if request.stop_token_ids:
+        kwargs["stop_token_ids"] = list(request.stop_token_ids)
+    if request.ignore_eos:
+        kwargs["ignore_eos"] = True
+    if num_logprobs is not None:
+        kwargs["logprobs"] = num_logprobs
+    params = SamplingParams(**kwargs)
+    params.validate()  # the engine validates again, knowing the vocabulary size
+    return params
+
+
+def plan_completion(
+    request: CompletionRequest, prompts: list[list[int]], max_model_len: int
+) -> list[ChoicePlan]:
+    max_tokens = request.max_tokens if request.max_tokens is not None else 16
+    plans = []
+    for prompt_index, prompt_ids in enumerate(prompts):
+        for i in range(request.n):
+            params = sampling_params(
+                request, max_tokens=max_tokens, num_logprobs=request.logprobs, choice_index=i
+            )
+            plans.append(ChoicePlan(len(plans), prompt_index, prompt_ids, params))
+    return plans
+
+
+def plan_chat(
+    request: ChatCompletionRequest, prompt_ids: list[int], max_model_len: int
+) -> list[ChoicePlan]:
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    if max_tokens is None:
+        # OpenAI's default: whatever the context has left (at least 1, so an over-long prompt
+        # reaches the engine and gets its context-length error).
+        max_tokens = max(1, max_model_len - len(prompt_ids))
+    num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return [
+        ChoicePlan(
+            i, 0, prompt_ids,
+            sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                            choice_index=i),
+        )
+        for i in range(request.n)
+    ]
+
+
+def usage(results: list[ChoiceResult], plans: list[ChoicePlan]) -> UsageInfo:
+    """Prompt tokens count once per distinct prompt, completion tokens once per choice."""
+    prompt_tokens = {}
+    for plan in plans:
+        prompt_tokens[plan.prompt_index] = len(plan.prompt_token_ids)
+    completion_tokens = sum(len(r.completion_token_ids) for r in results)
+    total_prompt = sum(prompt_tokens.values())
+    return UsageInfo(
+        prompt_tokens=total_prompt,
+        completion_tokens=completion_tokens,
+        total_tokens=total_prompt + completion_tokens,
+    )
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(
+    entries: list[dict[str, Any]], tokenizer, text_offset: int = 0
+) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for entry in entries:
+        token = _token_text(tokenizer, entry["token_id"])
+        result.tokens.append(token)
+        result.token_logprobs.append(float(entry["logprob"]))
+        top = entry.get("top") or []
+        result.top_logprobs.append(
+            {_token_text(tokenizer, tid): float(lp) for tid, lp in top} if top else None
+        )
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+def chat_logprobs(
+    entries: list[dict[str, Any]], tokenizer, num_top: int
+) -> ChatChoiceLogprobs:
+    content = []
+    for entry in entries:
+        token = _token_text(tokenizer, entry["token_id"])
+        top = [
+            TopLogprob(token=(t := _token_text(tokenizer, tid)), logprob=float(lp),
+                       bytes=list(t.encode()))
+            for tid, lp in (entry.get("top") or [])[:num_top]
+        ]
+        content.append(
+            ChatTokenLogprob(token=token, logprob=float(entry["logprob"]),
+                             bytes=list(token.encode()), top_logprobs=top)
+        )
+    return ChatChoiceLogprobs(content=content)

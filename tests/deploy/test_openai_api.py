@@ -1,0 +1,287 @@
+"""The real Serve app, driven over HTTP by the official `openai` client.
+
+References: greedy output must equal the offline `cluster.llm.LLM` on the same checkpoint and
+prompt; seeded sampling must reproduce; n choices must equal n single requests with seed + i.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def offline_llm(tiny_model_dir):
+    from cluster.llm import LLM
+
+    return LLM(tiny_model_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _greedy(llm, prompt, max_tokens):
+    from cluster.sampling_params import SamplingParams
+
+    [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return out
+
+
+def _error_body(exc: openai.APIStatusError) -> dict:
+    body = exc.response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_models_lists_the_engine_model(client, model_server):
+    info = model_server.model_info.remote().result()
+    models = client.models.list().data
+    assert [m.id for m in models] == [info.model_name]
+
+
+def test_completion_greedy_equals_offline_llm(client, served_model, offline_llm):
+    reference = _greedy(offline_llm, PROMPT, 12)
+    response = client.completions.create(
+        model=served_model["id"], prompt=PROMPT, max_tokens=12, temperature=0.0
+    )
+    assert response.choices[0].text == reference.text
+    assert response.choices[0].finish_reason == reference.finish_reason
+    assert response.usage.prompt_tokens == len(reference.prompt_token_ids)
+    assert response.usage.completion_tokens == len(reference.token_ids)
+    assert response.usage.total_tokens == len(reference.prompt_token_ids) + len(reference.token_ids)
+
+
+def test_completion_accepts_token_id_prompt(client, served_model, offline_llm, tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT)
+    reference = _greedy(offline_llm, prompt_ids, 8)
+    response = client.completions.create(
+        model=served_model["id"], prompt=prompt_ids, max_tokens=8, temperature=0.0
+    )
+    assert response.choices[0].text == reference.text
+
+
+def test_chat_greedy_equals_offline_llm_on_templated_prompt(
+    client, served_model, offline_llm, tokenizer
+):
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    reference = _greedy(offline_llm, prompt_ids, 10)
+    response = client.chat.completions.create(
+        model=served_model["id"], messages=CHAT, max_tokens=10, temperature=0.0
+    )
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == reference.text
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert response.usage.completion_tokens == len(reference.token_ids)
+
+
+def test_max_completion_tokens_bounds_chat(client, served_model):
+    response = client.chat.completions.create(
+        model=served_model["id"], messages=CHAT, max_completion_tokens=5, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert response.usage.completion_tokens == 5
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_chat_stream_with_usage_equals_non_stream(client, served_model):
+    kwargs = dict(model=served_model["id"], messages=CHAT, max_tokens=10, temperature=0.0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    # Usage arrives once, in the last chunk, which has no choices.
+    assert [c.usage is not None for c in chunks].count(True) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_completion_stream_equals_non_stream(client, served_model):
+    kwargs = dict(model=served_model["id"], prompt=PROMPT, max_tokens=10, temperature=0.0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    ))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage == whole.usage
+
+
+def test_n_choices_equal_single_requests_with_seed_plus_i(client, served_model):
+    common = dict(model=served_model["id"], prompt=PROMPT, max_tokens=8, temperature=1.0)
+    merged = client.completions.create(**common, n=3, seed=7)
+    assert sorted(c.index for c in merged.choices) == [0, 1, 2]
+    by_index = {c.index: c.text for c in merged.choices}
+    singles = [client.completions.create(**common, seed=7 + i).choices[0].text for i in range(3)]
+    assert [by_index[i] for i in range(3)] == singles
+    assert merged.usage.completion_tokens == sum(
+        client.completions.create(**common, seed=7 + i).usage.completion_tokens for i in range(3)
+    )
+
+
+def test_n_choices_stream_reassembles_each_choice(client, served_model):
+    common = dict(model=served_model["id"], messages=CHAT, max_tokens=6, temperature=1.0, seed=3)
+    whole = client.chat.completions.create(**common, n=2)
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(**common, n=2, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+def test_seed_reproduces_and_differs_across_seeds(client, served_model):
+    common = dict(model=served_model["id"], prompt=PROMPT, max_tokens=16, temperature=1.0)
+    first = client.completions.create(**common, seed=1234).choices[0].text
+    again = client.completions.create(**common, seed=1234).choices[0].text
+    others = {client.completions.create(**common, seed=s).choices[0].text for s in (1, 2, 3)}
+    assert first == again
+    assert len(others | {first}) > 1
+
+
+def test_stop_string_truncates_at_first_occurrence(client, served_model):
+    common = dict(model=served_model["id"], prompt=PROMPT, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**common, max_tokens=24).choices[0].text
+    stop = full[6:8]
+    assert stop, f"reference completion too short: {full!r}"
+    stopped = client.completions.create(**common, max_tokens=24, stop=[stop]).choices[0]
+    assert stopped.text == full[: full.index(stop)]
+    assert stopped.finish_reason == "stop"
+
+
+def test_top_k_1_extension_equals_greedy(client, served_model):
+    common = dict(model=served_model["id"], prompt=PROMPT, max_tokens=10)
+    greedy = client.completions.create(**common, temperature=0.0).choices[0].text
+    top1 = client.completions.create(
+        **common, temperature=1.0, seed=5, extra_body={"top_k": 1, "ignore_eos": False}
+    ).choices[0].text
+    assert top1 == greedy
+
+
+def test_chat_logprobs_are_consistent(client, served_model):
+    response = client.chat.completions.create(
+        model=served_model["id"], messages=CHAT, max_tokens=6, temperature=0.0,
+        logprobs=True, top_logprobs=3,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert "".join(t.token for t in content) == response.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        tops = [t.logprob for t in token.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        # Greedy: the chosen token is the most likely one.
+        assert token.logprob == pytest.approx(tops[0], abs=1e-5)
+        assert token.token == token.top_logprobs[0].token
+
+
+def test_completion_logprobs_shape_matches_tokens(client, served_model):
+    choice = client.completions.create(
+        model=served_model["id"], prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2
+    ).choices[0]
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens)
+    assert choice.logprobs.text_offset[0] == 0
+
+
+# -- client mistakes ------------------------------------------------------------------------
+
+
+def test_malformed_json_is_400_with_openai_error(serve_url):
+    response = httpx.post(
+        f"{serve_url}/v1/chat/completions", content=b'{"model": "x", "messages": [',
+        headers={"content-type": "application/json"}, timeout=30,
+    )
+    assert response.status_code == 400
+    body = response.json()
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == "json_invalid"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+    error = _error_body(caught.value)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def test_negative_max_tokens_is_400(client, served_model):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=served_model["id"], prompt=PROMPT, max_tokens=-1)
+    assert _error_body(caught.value)["param"] == "max_tokens"
+
+
+def test_prompt_longer_than_context_is_400(client, served_model):
+    too_long = [5] * (served_model["max_model_len"] + 8)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=served_model["id"], prompt=too_long, max_tokens=4)
+    assert _error_body(caught.value)["type"] == "invalid_request_error"
+
+
+def test_missing_field_is_400_naming_the_param(client, served_model):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=served_model["id"], messages=[])
+    assert _error_body(caught.value)["param"] == "messages"
+
+
+# -- lifecycle --------------------------------------------------------------------------------
+
+
+def _wait_for_idle_engine(model_server, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = model_server.engine_stats.remote().result()
+        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
+        if idle and stats["num_free_blocks"] == stats["num_total_blocks"]:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle after {timeout_s} s: {stats}")
+        time.sleep(0.2)
+
+
+def test_disconnect_mid_stream_frees_blocks(serve_url, served_model, model_server):
+    _wait_for_idle_engine(model_server)
+    body = {
+        "model": served_model["id"], "messages": CHAT, "max_tokens": 10_000,
+        "temperature": 0.0, "ignore_eos": True, "stream": True,
+    }
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{serve_url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            data_lines = 0
+            for line in lines:
+                data_lines += line.startswith("data: ")
+                if data_lines == 4:
+                    break
+            busy = model_server.engine_stats.remote().result()
+            assert busy["num_running"] + busy["num_waiting"] == 1
+            assert busy["num_free_blocks"] < busy["num_total_blocks"]
+        # Leaving the `with` closes the connection mid-stream.
+    stats = _wait_for_idle_engine(model_server)
+    assert stats["kv_usage"] == 0
+
+
+def test_health_probes_engine(serve_url, model_server):
+    model_server.check_health.remote().result()
+    response = httpx.get(f"{serve_url}/health", timeout=30)
+    assert response.status_code == 200
+    engine = response.json()["engine"]
+    assert engine["num_total_blocks"] > 0
+    assert 0.0 <= engine["kv_usage"] <= 1.0
