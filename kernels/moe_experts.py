@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from kernels.activation import silu_and_mul_reference
+import torch
+import triton
+import triton.language as tl
+
+from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.deepgemm import DeepGemmBackend
+from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
 
 
 def grouped_moe_reference(
@@ -31,3 +37,275 @@ def grouped_moe_reference(
         y = (h @ w2[e].t()).float() * topk_weights[token, slot, None].float()
         out.index_add_(0, token, y)
     return out.to(x.dtype)
+
+
+# --- Triton ---------------------------------------------------------------------------------------
+#
+# Contiguous grouped layout: the (token, slot) pairs routed to local experts are sorted by expert,
+# each expert's run padded to a multiple of block_m rows, so every block of rows belongs to one
+# expert (DeepGEMM's contiguous layout when block_m = 128). Built with torch ops that never sync
+# with the host, so the whole op is CUDA-graph capturable. Two kernels: gate/up GEMM with
+# SiLU-and-mul fused into its epilogue, then the down GEMM times the routing weight into one fp32
+# row per pair; the top-k rows of a token are summed in a fixed order (deterministic, unlike
+# atomics, so PDL on/off and graph replays are bit-identical).
+
+
+@dataclass(frozen=True)
+class GroupedLayout:
+    """Pairs sorted by local expert: `sorted_pairs[row]` is a pair index (token * top_k + slot)
+    or -1 for padding; `block_expert[b]` is the local expert of rows b*block_m.. or -1."""
+
+    sorted_pairs: torch.Tensor  # [num_rows] int32
+    block_expert: torch.Tensor  # [num_rows // block_m] int32
+    block_m: int
+
+
+def grouped_layout(
+    topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
+) -> GroupedLayout:
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
+    local = topk_ids.reshape(-1).long() - first_expert
+    # Experts held elsewhere go to a sentinel bucket that sorts last and owns no rows.
+    local = torch.where((local >= 0) & (local < num_local_experts), local, num_local_experts)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, local, torch.ones_like(local))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_local_experts] = 0
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    order = torch.argsort(local, stable=True)  # [num_pairs] pair indices by expert
+    sorted_local = local[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_local]
+    # An upper bound on the padded rows that needs no host sync.
+    num_rows = triton.cdiv(num_pairs + min(num_local_experts, num_pairs) * (block_m - 1),
+                           block_m) * block_m
+    dest = torch.where(sorted_local < num_local_experts, padded_start[sorted_local] + rank,
+                       num_rows)
+    sorted_pairs = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, num_rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end[:num_local_experts], block_starts, right=True)
+    block_expert = torch.where(block_expert < num_local_experts, block_expert, -1)
+    return GroupedLayout(sorted_pairs[:num_rows], block_expert.to(torch.int32), block_m)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w13_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
+    x_row_stride, w13_expert_stride, w13_row_stride, h_row_stride, hidden, intermediate,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    block = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of intermediate
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    col_mask = cols < intermediate
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= 0:
+        pairs = tl.load(sorted_pairs_ptr + rows)
+        valid = pairs >= 0
+        tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
+        w_gate = w13_ptr + expert * w13_expert_stride + cols[:, None].to(tl.int64) * w13_row_stride
+        w_up = w_gate + intermediate * w13_row_stride
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_mask = (k0 + kk) < hidden
+            a = tl.load(x_ptr + tokens[:, None] * x_row_stride + k0 + kk[None, :],
+                        mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            bg = tl.load(w_gate + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                         other=0.0)  # [BLOCK_N, BLOCK_K]
+            bu = tl.load(w_up + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                         other=0.0)
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                acc_gate = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_gate,
+                                  input_precision="ieee")
+                acc_up = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_up, input_precision="ieee")
+            else:
+                acc_gate = tl.dot(a, tl.trans(bg), acc_gate)
+                acc_up = tl.dot(a, tl.trans(bu), acc_up)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        # Round where the twin rounds: the GEMM output, silu, the product.
+        dtype = h_ptr.dtype.element_ty
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * h_row_stride + cols[None, :],
+                 (silu * up).to(dtype), mask=valid[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr, w2_ptr, topk_weights_ptr, y_ptr, sorted_pairs_ptr, block_expert_ptr,
+    h_row_stride, w2_expert_stride, w2_row_stride, y_row_stride, hidden, intermediate,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    block = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of hidden
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    col_mask = cols < hidden
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= 0:
+        pairs = tl.load(sorted_pairs_ptr + rows)
+        valid = pairs >= 0
+        w_rows = w2_ptr + expert * w2_expert_stride + cols[:, None].to(tl.int64) * w2_row_stride
+        h_rows = h_ptr + rows[:, None].to(tl.int64) * h_row_stride
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, intermediate, BLOCK_K):
+            k_mask = (k0 + kk) < intermediate
+            a = tl.load(h_rows + k0 + kk[None, :], mask=valid[:, None] & k_mask[None, :],
+                        other=0.0)
+            b = tl.load(w_rows + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            if UPCAST_DOT:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
+                             input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        weight = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+        y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+        tl.store(y_ptr + pairs[:, None].to(tl.int64) * y_row_stride + cols[None, :], y,
+                 mask=valid[:, None] & col_mask[None, :])
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Decode: a few tokens per expert, so the smallest MMA M (16) and narrow N tiles to spread each
+# expert's weights over many programs (memory-bound). Prefill: tall tiles reuse weight tiles.
+DECODE_CONFIG = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+PREFILL_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8,
+                                   num_stages=3)
+# Routed pairs at or below which a step is treated as decode (e.g. batch 32 x top-8).
+DECODE_MAX_PAIRS = 256
+
+
+def grouped_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int = 0,
+    config: GroupedGemmConfig | None = None,
+) -> torch.Tensor:
+    """Triton twin of `grouped_moe_reference` (contiguous grouped layout)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    device = x.device
+    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=device)
+    check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), device=device)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True,
+                 device=device)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    num_tokens, hidden = x.shape
+    num_local_experts, two_i, _ = w13.shape
+    intermediate = two_i // 2
+    if w13.shape != (num_local_experts, 2 * intermediate, hidden):
+        raise ValueError(f"w13 {tuple(w13.shape)} is not [E, 2 * I, {hidden}]")
+    if w2.shape != (num_local_experts, hidden, intermediate):
+        raise ValueError(f"w2 {tuple(w2.shape)}, expected {(num_local_experts, hidden, intermediate)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / weights "
+                         f"{tuple(topk_weights.shape)} vs {num_tokens} tokens")
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if config is None:
+        config = DECODE_CONFIG if num_pairs <= DECODE_MAX_PAIRS else PREFILL_CONFIG
+    y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=device)  # [T * top_k, hidden]
+    if num_pairs > 0:
+        layout = grouped_layout(topk_ids, num_local_experts, first_expert, config.block_m)
+        num_blocks = layout.block_expert.shape[0]
+        h = torch.empty(layout.sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=device)
+        upcast = dot_in_fp32(x.dtype)
+        launch(_moe_gate_up_kernel, (num_blocks, triton.cdiv(intermediate, config.block_n)), x,
+               x, w13, h, layout.sorted_pairs, layout.block_expert, x.stride(0), w13.stride(0),
+               w13.stride(1), h.stride(0), hidden, intermediate, TOP_K=top_k,
+               BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+               UPCAST_DOT=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
+        launch(_moe_down_kernel, (num_blocks, triton.cdiv(hidden, config.block_n)), x, h, w2,
+               topk_weights, y, layout.sorted_pairs, layout.block_expert, h.stride(0),
+               w2.stride(0), w2.stride(1), y.stride(0), hidden, intermediate,
+               BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+               UPCAST_DOT=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
+    return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+
+
+def grouped_moe_deepgemm(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    backend: DeepGemmBackend,
+    masked: bool | None = None,
+) -> torch.Tensor:
+    """`grouped_moe_reference` with DeepGEMM's grouped GEMMs and our SiLU-and-mul between them.
+
+    masked=None picks the masked layout for decode-sized steps (<= DECODE_MAX_PAIRS pairs) and
+    the contiguous one otherwise.
+    """
+    num_tokens, hidden = x.shape
+    num_local_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if masked is None:
+        masked = num_pairs <= DECODE_MAX_PAIRS
+    y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    if num_pairs == 0:
+        return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+    pair_weights = topk_weights.reshape(-1).float()
+    if masked:
+        # [E, max_m = num_tokens, hidden]: top-k experts are distinct, so an expert gets at
+        # most one row per token.
+        local = topk_ids.reshape(-1).long() - first_expert
+        held = (local >= 0) & (local < num_local_experts)
+        expert = torch.where(held, local, 0)
+        onehot = torch.nn.functional.one_hot(expert, num_local_experts) * held[:, None]
+        rank = (onehot.cumsum(0) - onehot).gather(1, expert[:, None]).squeeze(1)
+        masked_m = onehot.sum(0).to(torch.int32)  # [E]
+        row = torch.where(held, expert * num_tokens + rank, num_local_experts * num_tokens)
+        a = torch.zeros(num_local_experts * num_tokens + 1, hidden, dtype=x.dtype, device=x.device)
+        a[row] = x.repeat_interleave(top_k, dim=0)
+        a = a[:-1].view(num_local_experts, num_tokens, hidden)
+        gate_up = torch.empty(num_local_experts, num_tokens, two_i, dtype=x.dtype,
+                              device=x.device)
+        backend.grouped_gemm_masked(a, w13, gate_up, masked_m, expected_m=max(1, top_k))
+        h = silu_and_mul_triton(gate_up)
+        down = torch.empty(num_local_experts, num_tokens, hidden, dtype=x.dtype, device=x.device)
+        backend.grouped_gemm_masked(h, w2, down, masked_m, expected_m=max(1, top_k))
+        rows = down.view(-1, hidden)[torch.where(held, row, 0)].float()
+        y = torch.where(held[:, None], rows * pair_weights[:, None], 0.0)
+    else:
+        layout = grouped_layout(topk_ids, num_local_experts, first_expert, backend.m_alignment())
+        valid = layout.sorted_pairs >= 0
+        pairs = layout.sorted_pairs.long().clamp(min=0)
+        a = torch.where(valid[:, None], x[pairs // top_k], 0).to(x.dtype)  # [rows, hidden]
+        m_indices = layout.block_expert.repeat_interleave(layout.block_m)
+        m_indices = torch.where(valid, m_indices, -1).to(torch.int32)
+        gate_up = torch.empty(a.shape[0], two_i, dtype=x.dtype, device=x.device)
+        backend.grouped_gemm_contiguous(a, w13, gate_up, m_indices)
+        h = silu_and_mul_triton(gate_up)
+        down = torch.empty(a.shape[0], hidden, dtype=x.dtype, device=x.device)
+        backend.grouped_gemm_contiguous(h, w2, down, m_indices)
+        contribution = down.float() * pair_weights[pairs][:, None]
+        y.index_copy_(0, pairs[valid], contribution[valid])  # prefill only: syncs on `valid`
+    return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)

@@ -1,28 +1,130 @@
 """The ops the model calls. Each picks its Triton kernel where `use_triton` says so, else its twin.
 
-Swapping an implementation touches only this file.
+Triton on CUDA devices and under Triton's interpreter; the pure-torch twins elsewhere and
+whenever MTPSERVE_FORCE_REFERENCE=1. Every function here has its twin's signature. Swapping an
+implementation touches only this file.
 """
 
 from __future__ import annotations
 
-from kernels.activation import silu_and_mul_reference
-from kernels.cache_write import indexer_k_cache_write_reference, mla_kv_cache_write_reference
-from kernels.indexer import indexer_topk_reference
-from kernels.moe_experts import grouped_moe_reference
-from kernels.moe_routing import moe_route_reference
-from kernels.rmsnorm import rms_norm_reference
-from kernels.rope import rope_cos_sin, rope_reference
-from kernels.sparse_mla import sparse_mla_attention_reference
+import torch
 
-rms_norm = rms_norm_reference
+from kernels import deepgemm
+from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.cache_write import (
+    indexer_k_cache_write_reference,
+    indexer_k_cache_write_triton,
+    mla_kv_cache_write_reference,
+    mla_kv_cache_write_triton,
+)
+from kernels.indexer import indexer_topk_reference, indexer_topk_triton
+from kernels.moe_experts import grouped_moe_deepgemm, grouped_moe_reference, grouped_moe_triton
+from kernels.moe_routing import moe_route_reference, moe_route_triton
+from kernels.platform import use_triton
+from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from kernels.rope import rope_cos_sin, rope_reference
+from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
+
+# RoPE alone has no kernel: the model applies it fused into the cache writes, and to q inside
+# its projections' epilogue-free torch code (a [T, H, 64] tensor, not worth a launch of its own).
 rope = rope_reference
-mla_kv_cache_write = mla_kv_cache_write_reference
-indexer_k_cache_write = indexer_k_cache_write_reference
-indexer_topk = indexer_topk_reference
-sparse_mla_attention = sparse_mla_attention_reference
-moe_route = moe_route_reference
-grouped_moe = grouped_moe_reference
-silu_and_mul = silu_and_mul_reference
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x.device):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def mla_kv_cache_write(
+    kv_a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    impl = mla_kv_cache_write_triton if use_triton(kv_a.device) else mla_kv_cache_write_reference
+    return impl(kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping)
+
+
+def indexer_k_cache_write(
+    k: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    impl = (
+        indexer_k_cache_write_triton if use_triton(k.device) else indexer_k_cache_write_reference
+    )
+    return impl(k, ln_weight, ln_bias, eps, cos, sin, k_cache, slot_mapping)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_idx: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    impl = indexer_topk_triton if use_triton(q.device) else indexer_topk_reference
+    return impl(q, weights, k_cache, block_tables, seq_idx, positions, topk, softmax_scale)
+
+
+def sparse_mla_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_idx: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    impl = sparse_mla_attention_triton if use_triton(q.device) else sparse_mla_attention_reference
+    return impl(q, kv_cache, block_tables, seq_idx, topk_indices, softmax_scale, kv_lora_rank)
+
+
+def moe_route(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    num_groups: int,
+    topk_groups: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = moe_route_triton if use_triton(router_logits.device) else moe_route_reference
+    return impl(router_logits, correction_bias, num_groups, topk_groups, top_k, norm_topk_prob,
+                routed_scaling_factor)
+
+
+def grouped_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    if not use_triton(x.device):
+        return grouped_moe_reference(x, w13, w2, topk_weights, topk_ids, first_expert)
+    if deepgemm.use_deepgemm(x):
+        return grouped_moe_deepgemm(x, w13, w2, topk_weights, topk_ids, first_expert,
+                                    deepgemm.backend)
+    return grouped_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_triton(x) if use_triton(x.device) else silu_and_mul_reference(x)
+
 
 __all__ = [
     "rms_norm",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
 from kernels.paged import gather_positions
 
 
@@ -34,4 +37,183 @@ def sparse_mla_attention_reference(
         scores = scores.masked_fill((idx < 0)[:, None, :], float("-inf"))
         probs = scores.softmax(-1)
         out[rows] = torch.einsum("thk,tkl->thl", probs, picked[..., :kv_lora_rank]).to(q.dtype)
+    return out
+
+
+# --- Triton ---------------------------------------------------------------------------------------
+#
+# Flash-decoding over the selected positions: each program takes one token, BLOCK_H heads and one
+# split of the top-k list, keeps an online softmax over BLOCK_K keys at a time, and writes a
+# partial (max, sum, unnormalized output); a second kernel merges the splits. Splits give batch-1
+# decode enough programs to fill the GPU; heads share each key tile through registers, so a key
+# is read from HBM once per BLOCK_H heads (and from L2 for the other head blocks).
+
+_MLA_BLOCK_K = 32  # keys per step: a [32, 512] bf16 tile is 32 KiB
+_MLA_BLOCK_H = 32  # heads per program: the [32, 512] fp32 accumulator over 8 warps
+_MLA_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
+
+
+@triton.jit
+def _sparse_mla_split_kernel(
+    q_ptr, cache_ptr, block_tables_ptr, seq_idx_ptr, topk_ptr,
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    q_token_stride, q_head_stride, block_tables_row_stride, topk_row_stride,
+    num_topk, keys_per_split, softmax_scale,
+    NUM_HEADS: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BLOCK_SIZE_TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    width: tl.constexpr = KV_LORA_RANK + ROPE_DIM
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < NUM_HEADS
+    lat = tl.arange(0, BLOCK_L)
+    lat_mask = lat < KV_LORA_RANK
+    rope = tl.arange(0, BLOCK_R)
+    rope_mask = rope < ROPE_DIM
+
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    q_rows = q_ptr + token * q_token_stride + heads[:, None] * q_head_stride
+    q_nope = tl.load(q_rows + lat[None, :], mask=head_mask[:, None] & lat_mask[None, :],
+                     other=0.0)  # [BLOCK_H, BLOCK_L]
+    q_rope = tl.load(q_rows + KV_LORA_RANK + rope[None, :],
+                     mask=head_mask[:, None] & rope_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+    if UPCAST_DOT:
+        q_nope = q_nope.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+    seq = tl.load(seq_idx_ptr + token).to(tl.int64)
+
+    running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, num_topk)
+    for k0 in range(start, end, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        picks = tl.load(topk_ptr + token * topk_row_stride + slots, mask=slots < end, other=-1)
+        valid = picks >= 0
+        blocks = tl.load(block_tables_ptr + seq * block_tables_row_stride
+                         + picks // BLOCK_SIZE_TOKENS, mask=valid, other=0).to(tl.int64)
+        rows = (blocks * BLOCK_SIZE_TOKENS + picks % BLOCK_SIZE_TOKENS) * width  # [BLOCK_K]
+        k_nope = tl.load(cache_ptr + rows[:, None] + lat[None, :],
+                         mask=valid[:, None] & lat_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_L]
+        k_rope = tl.load(cache_ptr + rows[:, None] + KV_LORA_RANK + rope[None, :],
+                         mask=valid[:, None] & rope_mask[None, :], other=0.0)
+        if UPCAST_DOT:
+            k_nope = k_nope.to(tl.float32)
+            k_rope = k_rope.to(tl.float32)
+            scores = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
+            scores = tl.dot(q_rope, tl.trans(k_rope), scores, input_precision="ieee")
+        else:
+            scores = tl.dot(q_nope, tl.trans(k_nope.to(q_nope.dtype)))
+            scores = tl.dot(q_rope, tl.trans(k_rope.to(q_rope.dtype)), scores)
+        scores = tl.where(valid[None, :], scores * softmax_scale, float("-inf"))  # [H, K]
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        probs = tl.exp(scores - new_max[:, None])
+        rescale = tl.exp(running_max - new_max)
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        if UPCAST_DOT:
+            acc = tl.dot(probs, k_nope, acc * rescale[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(probs.to(k_nope.dtype), k_nope, acc * rescale[:, None])
+        running_max = new_max
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    # partial_* are [T, splits, H(, L)] fp32
+    row = (token * num_splits + split) * NUM_HEADS + heads
+    tl.store(partial_max_ptr + row, running_max, mask=head_mask)
+    tl.store(partial_sum_ptr + row, running_sum, mask=head_mask)
+    tl.store(partial_out_ptr + row[:, None] * KV_LORA_RANK + lat[None, :], acc,
+             mask=head_mask[:, None] & lat_mask[None, :])
+
+
+@triton.jit
+def _sparse_mla_merge_kernel(
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, out_token_stride,
+    out_head_stride, num_splits,
+    NUM_HEADS: tl.constexpr, KV_LORA_RANK: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_mask = splits < num_splits
+    lat = tl.arange(0, BLOCK_L)
+    lat_mask = lat < KV_LORA_RANK
+    rows = (token * num_splits + splits) * NUM_HEADS + head  # [BLOCK_SPLITS]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    split_max = tl.load(partial_max_ptr + rows, mask=split_mask, other=-1.0e30)
+    split_sum = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0)
+    partial = tl.load(partial_out_ptr + rows[:, None] * KV_LORA_RANK + lat[None, :],
+                      mask=split_mask[:, None] & lat_mask[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    scale = tl.exp(split_max - tl.max(split_max, axis=0))  # [BLOCK_SPLITS]
+    total = tl.sum(split_sum * scale, axis=0)
+    out = tl.sum(partial * scale[:, None], axis=0) / total
+    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + lat,
+             out.to(out_ptr.dtype.element_ty), mask=lat_mask)
+
+
+def sparse_mla_attention_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_idx: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Triton twin of `sparse_mla_attention_reference` (split top-k + merge, two launches)."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True,
+                 device=device)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    check_tensor("seq_idx", seq_idx, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_tensor("topk_indices", topk_indices, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    num_tokens, num_heads, width = q.shape
+    if kv_cache.shape[-1] != width or not 0 < kv_lora_rank < width:
+        raise ValueError(f"q heads {width} wide, cache rows {kv_cache.shape[-1]}, "
+                         f"kv_lora_rank {kv_lora_rank}")
+    if seq_idx.shape[0] != num_tokens or topk_indices.shape[0] != num_tokens:
+        raise ValueError("seq_idx and topk_indices need one row per token")
+    rope_dim = width - kv_lora_rank
+    num_topk = topk_indices.shape[1]
+    block_h = max(16, min(_MLA_BLOCK_H, triton.next_power_of_2(num_heads)))
+    num_head_blocks = triton.cdiv(num_heads, block_h)
+    max_splits = max(1, triton.cdiv(num_topk, _MLA_BLOCK_K))
+    num_splits = min(max_splits,
+                     max(1, _MLA_TARGET_PROGRAMS // max(1, num_tokens * num_head_blocks)))
+    keys_per_split = triton.cdiv(triton.cdiv(num_topk, num_splits), _MLA_BLOCK_K) * _MLA_BLOCK_K
+    num_splits = max(1, triton.cdiv(num_topk, keys_per_split))
+
+    out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=device)
+    if num_tokens == 0:
+        return out
+    # [T, splits, H, L] and [T, splits, H], fp32
+    partial_out = torch.empty(num_tokens, num_splits, num_heads, kv_lora_rank,
+                              dtype=torch.float32, device=device)
+    partial_max = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32,
+                              device=device)
+    partial_sum = torch.empty_like(partial_max)
+    block_l = max(16, triton.next_power_of_2(kv_lora_rank))
+    launch(_sparse_mla_split_kernel, (num_tokens, num_head_blocks, num_splits), q, q, kv_cache,
+           block_tables, seq_idx, topk_indices, partial_out, partial_max, partial_sum,
+           q.stride(0), q.stride(1), block_tables.stride(0), topk_indices.stride(0), num_topk,
+           keys_per_split, softmax_scale, NUM_HEADS=num_heads, KV_LORA_RANK=kv_lora_rank,
+           ROPE_DIM=rope_dim, BLOCK_SIZE_TOKENS=kv_cache.shape[1], BLOCK_H=block_h,
+           BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+           BLOCK_K=_MLA_BLOCK_K, UPCAST_DOT=dot_in_fp32(q.dtype), num_warps=8, num_stages=2)
+    launch(_sparse_mla_merge_kernel, (num_tokens, num_heads), q, partial_out, partial_max,
+           partial_sum, out, out.stride(0), out.stride(1), num_splits, NUM_HEADS=num_heads,
+           KV_LORA_RANK=kv_lora_rank, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+           BLOCK_L=block_l, num_warps=4)
     return out
