@@ -66,9 +66,9 @@ class EngineMetrics:
         ):
             metric.set_default_tags({"model": model_name})
 
-    def record_engine_stats(self, stats) -> None:
-        """`stats` is the engine's `EngineStats`."""
-        self.num_waiting.set(stats.num_waiting)
-        self.num_running.set(stats.num_running)
-        self.kv_usage.set(stats.kv_usage)
-        self.mean_tokens_per_round.set(stats.mean_tokens_per_round)
+    def record_engine_stats(self, stats: dict) -> None:
+        """`stats` is `model_server.engine_stats_dict(engine.stats())`."""
+        self.num_waiting.set(stats["num_waiting"])
+        self.num_running.set(stats["num_running"])
+        self.kv_usage.set(stats["kv_usage"])
+        self.mean_tokens_per_round.set(stats["mean_tokens_per_round"])

@@ -26,8 +26,6 @@ from cluster.config import EngineConfig
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import InvalidRequestError
 
-from workers.default_model import default_model_path
-
 from deploy.messages import GenerateFailure, GenerateRequest, ModelInfo
 from deploy.metrics import EngineMetrics
 
@@ -49,6 +47,15 @@ def failure_from_exception(exc: BaseException) -> GenerateFailure:
     return GenerateFailure(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
 
+def engine_stats_dict(stats) -> dict:
+    """The engine's `EngineStats` as a dict, with `kv_usage` (0..1) derived when absent."""
+    out = dataclasses.asdict(stats)
+    if "kv_usage" not in out:
+        total = out.get("num_total_blocks") or 0
+        out["kv_usage"] = (1.0 - out["num_free_blocks"] / total) if total else 0.0
+    return out
+
+
 async def _maybe_await(value):
     if inspect.isawaitable(value):
         return await value
@@ -60,6 +67,8 @@ class ModelServer:
 
     def __init__(self, engine_config: dict):
         if engine_config.get("model") is None:
+            from workers.default_model import default_model_path
+
             engine_config = {**engine_config, "model": default_model_path()}
         self._config = EngineConfig.from_dict(engine_config)
         started = time.perf_counter()
@@ -79,7 +88,7 @@ class ModelServer:
         )
 
     def engine_stats(self) -> dict:
-        return dataclasses.asdict(self._engine.stats())
+        return engine_stats_dict(self._engine.stats())
 
     async def generate(
         self, request: GenerateRequest
@@ -93,6 +102,10 @@ class ModelServer:
         finished = False
         try:
             async for out in outputs:
+                if out.finished and out.finish_reason == "error":
+                    finished = True
+                    yield GenerateFailure(503, "engine_dead_error", out.error or "engine failure")
+                    return
                 if first_token_s is None and out.new_token_ids:
                     first_token_s = time.perf_counter()
                     self._metrics.time_to_first_token_s.observe(first_token_s - arrived_s)
@@ -152,7 +165,7 @@ class ModelServer:
     async def _stats_loop(self) -> None:
         while True:
             try:
-                self._metrics.record_engine_stats(self._engine.stats())
+                self._metrics.record_engine_stats(self.engine_stats())
             except Exception:  # noqa: BLE001 - metrics must never take the replica down
                 logger.exception("engine stats failed")
             await asyncio.sleep(STATS_PERIOD_S)

@@ -174,30 +174,47 @@ def test_top_k_1_extension_equals_greedy(client, served_model):
     assert top1 == greedy
 
 
-def test_chat_logprobs_are_consistent(client, served_model):
+def test_chat_logprobs_equal_offline_llm(client, served_model, offline_llm, tokenizer):
+    from cluster.sampling_params import SamplingParams
+
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    [reference] = offline_llm.generate(
+        [prompt_ids], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
+    )
     response = client.chat.completions.create(
         model=served_model["id"], messages=CHAT, max_tokens=6, temperature=0.0,
         logprobs=True, top_logprobs=3,
     )
     content = response.choices[0].logprobs.content
-    assert len(content) == response.usage.completion_tokens
-    assert "".join(t.token for t in content) == response.choices[0].message.content
-    for token in content:
-        assert len(token.top_logprobs) == 3
-        tops = [t.logprob for t in token.top_logprobs]
-        assert tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+    assert [t.token for t in content] == [tokenizer.decode([i]) for i in reference.token_ids]
+    for token, entry in zip(content, reference.logprobs, strict=True):
+        assert token.logprob == pytest.approx(entry["logprob"], abs=1e-4)
+        assert [t.token for t in token.top_logprobs] == [
+            tokenizer.decode([i]) for i, _ in entry["top"]
+        ]
+        assert [t.logprob for t in token.top_logprobs] == pytest.approx(
+            [lp for _, lp in entry["top"]], abs=1e-4
+        )
         # Greedy: the chosen token is the most likely one.
-        assert token.logprob == pytest.approx(tops[0], abs=1e-5)
-        assert token.token == token.top_logprobs[0].token
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob, abs=1e-5)
 
 
-def test_completion_logprobs_shape_matches_tokens(client, served_model):
-    choice = client.completions.create(
+def test_completion_logprobs_follow_the_tokens(client, served_model, offline_llm, tokenizer):
+    reference = _greedy(offline_llm, PROMPT, 5)
+    logprobs = client.completions.create(
         model=served_model["id"], prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2
-    ).choices[0]
-    assert "".join(choice.logprobs.tokens) == choice.text
-    assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens)
-    assert choice.logprobs.text_offset[0] == 0
+    ).choices[0].logprobs
+    tokens = [tokenizer.decode([i]) for i in reference.token_ids]
+    assert logprobs.tokens == tokens
+    assert len(logprobs.token_logprobs) == len(tokens)
+    # Greedy: the chosen token has the top logprob. (The legacy shape keys top_logprobs by
+    # token text, so two byte tokens that both decode to U+FFFD share one key.)
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-5)
+    # text_offset[i] = characters of the tokens before token i.
+    assert logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
 # -- client mistakes ------------------------------------------------------------------------
