@@ -1,0 +1,166 @@
+"""What one engine step returns per request (`StepResult`), MTP acceptance counters
+(`SpecDecodeStats`), and what the engine yields to callers (`RequestOutput`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.request import Request
+
+
+@dataclass
+class StepResult:
+    """Rank 0's answer for one scheduled request after one step.
+
+    Invariants: when the step `samples`, `sampled_token_ids` holds the accepted drafts followed
+    by the target's own token, so `len(sampled_token_ids) == num_accepted_drafts + 1`; for a
+    non-final prefill chunk it is `[]` and `num_accepted_drafts == 0`. `next_draft_token_ids`
+    holds the MTP layer's proposal for the next round (`[]` when MTP is off). `logprobs`, when
+    requested, has one entry per sampled token.
+    """
+
+    request_id: str
+    sampled_token_ids: list[int] = field(default_factory=list)
+    num_accepted_drafts: int = 0
+    next_draft_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+
+
+@dataclass
+class SpecDecodeStats:
+    """MTP acceptance counters for one request (or, after `merge`, many).
+
+    A round is one verify step of a request past its prefill (with or without drafts). Draft
+    position i counts as accepted in a round iff the first i+1 drafts all matched, so
+    `num_accepted_per_position` is non-increasing.
+    """
+
+    num_rounds: int = 0
+    num_draft_tokens: int = 0  # drafts proposed (verified), all rounds
+    num_accepted_drafts: int = 0
+    num_proposed_per_position: list[int] = field(default_factory=list)
+    num_accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_drafts: int) -> None:
+        """Record one verify round that checked `num_draft_tokens` drafts."""
+        if not 0 <= num_accepted_drafts <= num_draft_tokens:
+            raise ValueError(f"accepted {num_accepted_drafts} of {num_draft_tokens} drafts")
+        self.num_rounds += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_drafts += num_accepted_drafts
+        grow = num_draft_tokens - len(self.num_proposed_per_position)
+        if grow > 0:
+            self.num_proposed_per_position.extend([0] * grow)
+            self.num_accepted_per_position.extend([0] * grow)
+        for i in range(num_draft_tokens):
+            self.num_proposed_per_position[i] += 1
+        for i in range(num_accepted_drafts):
+            self.num_accepted_per_position[i] += 1
+
+    def merge(self, other: SpecDecodeStats) -> None:
+        """Add `other`'s counters into these (engine-wide totals)."""
+        self.num_rounds += other.num_rounds
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_drafts += other.num_accepted_drafts
+        grow = len(other.num_proposed_per_position) - len(self.num_proposed_per_position)
+        if grow > 0:
+            self.num_proposed_per_position.extend([0] * grow)
+            self.num_accepted_per_position.extend([0] * grow)
+        for i, (p, a) in enumerate(
+            zip(other.num_proposed_per_position, other.num_accepted_per_position)
+        ):
+            self.num_proposed_per_position[i] += p
+            self.num_accepted_per_position[i] += a
+
+    @property
+    def mean_tokens_per_round(self) -> float:
+        """Tokens gained per round (accepted drafts + 1), averaged; 1.0 with MTP off or no rounds."""
+        if self.num_rounds == 0:
+            return 1.0
+        return (self.num_accepted_drafts + self.num_rounds) / self.num_rounds
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Fraction of rounds proposing a draft at position i in which it was accepted."""
+        return [
+            a / p if p else 0.0
+            for p, a in zip(self.num_proposed_per_position, self.num_accepted_per_position)
+        ]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed drafts; 0.0 when none were proposed."""
+        return self.num_accepted_drafts / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """One update for a caller. `token_ids`, `text` and `logprobs` are cumulative over the
+    completion; `new_token_ids`, `new_text` and `new_logprobs` are the deltas since the previous
+    output for the same request. `finish_reason` is "stop" | "length" | "abort" | "error" once
+    `finished`, else None.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Any] | None = None
+    num_prompt_tokens: int = 0
+    spec: SpecDecodeStats | None = None
+    error: str | None = None
+    new_logprobs: list[Any] | None = None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def make_request_output(request: Request) -> RequestOutput:
+    """Build the next streaming update for `request` and advance its sent-markers.
+
+    While the request runs, trailing text that could be the start of a stop string is held
+    back (it may yet be cut); once finished, everything left is released. Each token id and each
+    character therefore appears in exactly one `new_*` delta.
+    """
+    from cluster.detokenizer import num_stop_holdback_chars
+
+    finished = request.status.is_finished
+    text = request.output_text
+    if finished:
+        num_stable_chars = len(text)
+    else:
+        holdback = num_stop_holdback_chars(text, request.sampling_params.stop)
+        num_stable_chars = len(text) - holdback
+    # Never move the marker backwards (a cut at a stop string only shortens unsent text).
+    num_stable_chars = max(num_stable_chars, request.num_sent_chars)
+    new_text = text[request.num_sent_chars : num_stable_chars]
+    new_token_ids = request.output_token_ids[request.num_sent_tokens :]
+    logprobs = request.output_logprobs if request.sampling_params.logprobs is not None else None
+    new_logprobs = logprobs[request.num_sent_tokens :] if logprobs is not None else None
+    request.num_sent_chars = num_stable_chars
+    request.num_sent_tokens = len(request.output_token_ids)
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=list(request.output_token_ids),
+        new_token_ids=new_token_ids,
+        text=text[:num_stable_chars],
+        new_text=new_text,
+        finished=finished,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        logprobs=list(logprobs) if logprobs is not None else None,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        spec=request.spec_stats,
+        error=request.error,
+        new_logprobs=new_logprobs,
+    )
