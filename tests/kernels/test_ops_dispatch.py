@@ -1,0 +1,40 @@
+"""`kernels.ops` picks the Triton kernel where `use_triton` says so and the twin otherwise."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from kernels import activation, cache_write, indexer, moe_experts, moe_routing, ops, rmsnorm
+from kernels import sparse_mla
+
+TWINS = {
+    "rms_norm": rmsnorm.rms_norm_reference,
+    "mla_kv_cache_write": cache_write.mla_kv_cache_write_reference,
+    "indexer_k_cache_write": cache_write.indexer_k_cache_write_reference,
+    "indexer_topk": indexer.indexer_topk_reference,
+    "sparse_mla_attention": sparse_mla.sparse_mla_attention_reference,
+    "moe_route": moe_routing.moe_route_reference,
+    "grouped_moe": moe_experts.grouped_moe_reference,
+    "silu_and_mul": activation.silu_and_mul_reference,
+}
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_ops_keep_the_twins_signatures(name: str) -> None:
+    assert inspect.signature(getattr(ops, name)) == inspect.signature(TWINS[name])
+
+
+@pytest.mark.parametrize("force_reference,interpret,expect", [
+    ("0", "1", "triton"), ("1", "1", "twin"), ("0", "0", "twin"),
+])
+def test_ops_dispatch_follows_use_triton(monkeypatch, force_reference, interpret, expect) -> None:
+    monkeypatch.setenv("MTPSERVE_FORCE_REFERENCE", force_reference)
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    called: list[str] = []
+    monkeypatch.setattr(ops, "silu_and_mul_triton", lambda x: called.append("triton") or x)
+    monkeypatch.setattr(ops, "silu_and_mul_reference", lambda x: called.append("twin") or x)
+    ops.silu_and_mul(torch.zeros(2, 4))
+    assert called == [expect]
