@@ -1,0 +1,48 @@
+"""The one composed engine configuration. Frozen; "auto" choices are resolved once, at startup."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # checkpoint directory
+    tp_size: int = 1
+    ep_size: int = 1  # expert-parallel size within the TP group (divides tp_size)
+    num_draft_tokens: int = 0  # k; 0 turns MTP speculation off
+    share_topk: bool = False  # draft steps 1..k-1 reuse draft step 0's top-k row
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bfloat16" | "float32"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: min(config.max_position_embeddings, 8192)
+    num_kv_blocks: int | None = None  # None: sized from memory
+    block_size_tokens: int = 64
+    max_queued_requests: int = 256
+    executor: str = "auto"  # "auto" (in-process for TP=1, Ray otherwise) | "inprocess" | "ray"
+    actor_num_cpus: float = 1.0  # CPU request of each Ray actor (fractions allowed)
+    gpu_memory_utilization: float = 0.85
+    step_timeout_s: float = 120.0  # a step that takes longer is a dead worker
+    cpu_threads: int | None = None  # torch intra-op threads per worker; None: half the cores
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
+        if self.num_draft_tokens < 0:
+            raise ValueError("num_draft_tokens must be >= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

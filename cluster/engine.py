@@ -1,0 +1,194 @@
+"""The engine: one scheduler, one executor, and the step loop.
+
+    step() = schedule -> execute on every rank -> update (append tokens, stop, free blocks)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+from cluster.block_manager import BlockManager
+from cluster.config import EngineConfig
+from cluster.executor import WorkerError, make_executor
+from cluster.outputs import RequestOutput, SpecDecodeStats, StepResult, make_request_output
+from cluster.request import Request, RequestStatus
+from cluster.sampling_params import InvalidRequestError, SamplingParams
+from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.batch import SamplingSpec, SeqWork, StepInput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    mean_tokens_per_round: float
+    acceptance_per_position: list[float]
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / max(self.num_total_blocks, 1)
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    for value in (eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.executor = make_executor(config)
+        num_drafts = config.num_draft_tokens if self.executor.has_mtp else 0
+        if config.num_draft_tokens and not num_drafts:
+            logger.warning("the checkpoint has no MTP layer: num_draft_tokens forced to 0")
+        self.num_draft_tokens = num_drafts
+        from workers.loader import load_config
+
+        model_config = load_config(config.model)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = config.max_model_len or min(
+            model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
+        )
+        num_blocks = self.executor.num_kv_blocks
+        block_manager = BlockManager(num_blocks, config.block_size_tokens)
+        capacity = block_manager.capacity_tokens
+        if capacity < self.max_model_len + 2 * num_drafts:
+            self.max_model_len = capacity - 2 * num_drafts
+            logger.warning("KV pool holds %d tokens: max_model_len lowered to %d",
+                           capacity, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs,
+                                           1 + num_drafts),
+                num_draft_tokens=num_drafts,
+                block_size_tokens=config.block_size_tokens,
+                num_blocks=num_blocks,
+                max_model_len=self.max_model_len,
+            ),
+            block_manager,
+            tokenizer=self.tokenizer,
+        )
+        self.spec_stats = SpecDecodeStats()
+        self._finished_ids: list[str] = []
+        self._counter = itertools.count()
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        request_id = request_id or f"req-{next(self._counter)}"
+        params.validate(self.vocab_size)
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError("prompt token ids must be in [0, vocab_size)", "prompt")
+        if len(prompt_token_ids) + 1 > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, including at least one generated token", "prompt",
+            )
+        self.scheduler.add(Request(request_id, prompt_token_ids, params, self.eos_token_ids))
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        self._finished_ids.append(request_id)
+        return make_request_output(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        output = self.executor.execute(self._step_input(scheduled))  # raises WorkerError
+        results = {r.request_id: StepResult(r.request_id, r.sampled_token_ids,
+                                            r.num_accepted_drafts, r.next_draft_token_ids,
+                                            r.logprobs) for r in output.results}
+        changed = self.scheduler.update(scheduled, results)
+        outputs = []
+        for request in changed:
+            if request.is_finished:
+                self._finished_ids.append(request.request_id)
+                self.spec_stats.merge(request.spec_stats)
+            outputs.append(make_request_output(request))
+        return outputs
+
+    def _step_input(self, scheduled: SchedulerOutput) -> StepInput:
+        seqs = []
+        for s in scheduled.scheduled:
+            p = s.request.sampling_params
+            seqs.append(SeqWork(
+                request_id=s.request_id,
+                token_ids=s.token_ids,
+                start_position=s.start_position,
+                block_ids=list(s.request.block_ids),
+                num_draft_tokens=s.num_draft_tokens,
+                samples=s.samples,
+                sampling=SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed, p.logprobs),
+            ))
+        finished, self._finished_ids = self._finished_ids, []
+        return StepInput(seqs, self.num_draft_tokens, self.config.share_topk, finished)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every unfinished request with an error (a rank failed); frees their blocks."""
+        outputs = []
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort(request.request_id)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = error
+            outputs.append(make_request_output(request))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_usable_blocks,
+            mean_tokens_per_round=self.spec_stats.mean_tokens_per_round,
+            acceptance_per_position=self.spec_stats.acceptance_per_position,
+        )
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+__all__ = ["LLMEngine", "EngineStats", "WorkerError"]

@@ -1,0 +1,69 @@
+"""Executors run a step on every rank. The interface is five methods; two implementations:
+in-process (TP=1, the worker lives in this process) and Ray (workers are actors)."""
+
+from __future__ import annotations
+
+import abc
+
+from cluster.config import EngineConfig
+from workers.batch import StepInput, StepOutput
+
+
+class Executor(abc.ABC):
+    num_kv_blocks: int
+    has_mtp: bool
+
+    @abc.abstractmethod
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step on every rank; rank 0's output. Raises WorkerError if a rank fails."""
+
+    @abc.abstractmethod
+    def check_health(self) -> None:
+        """Raise WorkerError unless every rank answers."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class WorkerError(RuntimeError):
+    """A rank died, hung past the step timeout, or raised."""
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        from workers.worker import Worker
+
+        self.worker = Worker(
+            config.model, config.device, config.dtype, config.num_kv_blocks,
+            config.block_size_tokens, enable_mtp=True,
+            gpu_memory_utilization=config.gpu_memory_utilization, cpu_threads=config.cpu_threads,
+        )
+        self.num_kv_blocks = self.worker.num_kv_blocks
+        self.has_mtp = self.worker.has_mtp
+
+    def execute(self, step: StepInput) -> StepOutput:
+        try:
+            return self.worker.execute(step)
+        except Exception as e:  # the engine turns this into per-request errors
+            raise WorkerError(f"step failed: {type(e).__name__}: {e}") from e
+
+    def check_health(self) -> None:
+        self.worker.ping()
+
+    def shutdown(self) -> None:
+        self.worker = None
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    kind = config.executor
+    if kind == "auto":
+        kind = "inprocess" if config.tp_size == 1 else "ray"
+    if kind == "inprocess":
+        if config.tp_size != 1:
+            raise ValueError("the in-process executor runs TP=1 only; use executor='ray'")
+        return InProcessExecutor(config)
+    if kind == "ray":
+        from cluster.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    raise ValueError(f"unknown executor {kind!r}")

@@ -1,0 +1,35 @@
+"""The offline Python API: LLM(model_dir).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
+from cluster.outputs import RequestOutput
+from cluster.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion (continuous batching); outputs in prompt order."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = []
+        for prompt in prompts:
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids.append(self.engine.add_request(token_ids, params))
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stats(self):
+        return self.engine.stats()

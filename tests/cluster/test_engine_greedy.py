@@ -1,0 +1,119 @@
+"""The first test of any engine change: greedy output with MTP is token-for-token greedy output
+without it, and both are transformers' own greedy `generate`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cluster.llm import LLM
+from cluster.sampling_params import SamplingParams
+from workers.model_runner import ModelRunner
+
+MAX_TOKENS = 20
+PROMPT_LENS = [3, 41, 12, 27, 5, 33, 18, 9, 50, 2, 24, 15, 38, 7, 21, 30, 11, 44]  # 18 requests
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, prompts):
+    """transformers' greedy generate, one prompt at a time."""
+    from transformers import DeepseekV32ForCausalLM
+
+    model = DeepseekV32ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=2, min_new_tokens=MAX_TOKENS)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def test_greedy_without_mtp_matches_transformers(tiny_model_dir, prompts, reference):
+    outs = LLM(tiny_model_dir, dtype="float32").generate(prompts, _greedy())
+    assert [o.token_ids for o in outs] == reference
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("share_topk", [False, True])
+def test_greedy_with_mtp_is_identical(tiny_model_dir, prompts, reference, k, share_topk):
+    llm = LLM(tiny_model_dir, num_draft_tokens=k, share_topk=share_topk, dtype="float32")
+    outs = llm.generate(prompts, _greedy())
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.spec.num_rounds > 0 for o in outs)
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_greedy_identical_under_preemption(tiny_model_dir, prompts, reference, k):
+    # 5 usable blocks of 64 tokens for 18 requests of up to 70 tokens: requests must be
+    # preempted (recomputed) over and over.
+    llm = LLM(tiny_model_dir, num_draft_tokens=k, num_kv_blocks=6, max_model_len=256,
+              max_num_seqs=16, dtype="float32")
+    preemptions = []
+    original = llm.engine.scheduler._preempt
+    llm.engine.scheduler._preempt = lambda r, o: (preemptions.append(r.request_id), original(r, o))
+    outs = llm.generate(prompts, _greedy())
+    assert [o.token_ids for o in outs] == reference
+    assert preemptions
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+
+
+class OracleDrafts:
+    """Replaces the MTP layer's proposals by the known greedy continuation, corrupted at random,
+    so verification accepts long runs and rejects some: the acceptance, rollback and bonus-token
+    paths run with real acceptance rates (the tiny random MTP layer is almost never right)."""
+
+    def __init__(self, llm, prompts, reference, error_rate: float, seed: int = 0):
+        self.sequences = {f"req-{i}": p + r for i, (p, r) in enumerate(zip(prompts, reference))}
+        self.rng = random.Random(seed)
+        self.error_rate = error_rate
+        self.proposed = 0
+
+    def install(self, monkeypatch):
+        real = ModelRunner._propose
+        oracle = self
+
+        def propose(runner, step, seqs, states, tables, hidden, offsets, results):
+            real(runner, step, seqs, states, tables, hidden, offsets, results)  # the real MTP work
+            for s, res in zip(seqs, results):
+                if not s.samples:
+                    continue
+                length = (s.start_position + len(s.token_ids) - s.num_draft_tokens
+                          + len(res.sampled_token_ids))
+                truth = oracle.sequences[s.request_id][length : length + step.num_draft_tokens]
+                truth += [3] * (step.num_draft_tokens - len(truth))
+                res.next_draft_token_ids = [
+                    (t + 1) % 512 if oracle.rng.random() < oracle.error_rate else t for t in truth
+                ]
+                oracle.proposed += 1
+
+        monkeypatch.setattr(ModelRunner, "_propose", propose)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_accepted_drafts_keep_output_identical(tiny_model_dir, prompts, reference, k, monkeypatch):
+    llm = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32")
+    oracle = OracleDrafts(llm, prompts, reference, error_rate=0.2)
+    oracle.install(monkeypatch)
+    outs = llm.generate(prompts, _greedy())
+    assert [o.token_ids for o in outs] == reference
+    stats = llm.stats()
+    assert stats.mean_tokens_per_round > 1.5  # most drafts were right and were accepted
+    # Position i is accepted only if 0..i were: a non-increasing profile, per closed form
+    # (1 - error_rate) ** (i + 1) within sampling noise.
+    acc = stats.acceptance_per_position
+    assert len(acc) == k and all(a >= b for a, b in zip(acc, acc[1:]))
+    assert abs(acc[0] - 0.8) < 0.1
+    assert stats.num_free_blocks == stats.num_total_blocks

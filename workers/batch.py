@@ -1,0 +1,60 @@
+"""The worker's step contract: what the coordinator sends each rank, and what rank 0 returns.
+
+Plain dataclasses of Python lists (no tensors), so they cross Ray actor boundaries cheaply and
+every rank builds identical device tensors from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """The part of a request's sampling parameters the device needs."""
+
+    temperature: float = 0.0  # 0 => greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 => off
+    seed: int | None = None
+    num_logprobs: int | None = None  # None => no logprobs
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class SeqWork:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose KV this step computes, in order
+    start_position: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's whole block table
+    num_draft_tokens: int  # drafts at the end of token_ids (a verify); 0 for prefill
+    samples: bool  # this step emits tokens (decode, or the prompt's last chunk)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+
+
+@dataclass
+class StepInput:
+    seqs: list[SeqWork]
+    num_draft_tokens: int = 0  # k: drafts the MTP layer proposes for the next round
+    share_topk: bool = False  # draft steps 1..k-1 reuse draft step 0's top-k row
+    finished_request_ids: list[str] = field(default_factory=list)  # drop per-request state
+
+
+@dataclass
+class SeqResult:
+    request_id: str
+    sampled_token_ids: list[int]  # accepted drafts + the target's own token; [] if not sampling
+    num_accepted_drafts: int = 0
+    next_draft_token_ids: list[int] = field(default_factory=list)
+    # Per sampled token: {"token_id", "logprob", "top": [(token_id, logprob), ...]}
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class StepOutput:
+    results: list[SeqResult]

@@ -1,0 +1,183 @@
+"""Turns a StepInput into device tensors, runs the target and the MTP draft steps, and samples.
+
+One step serves every scheduled request at once:
+  1. target forward over the flattened batch (prefill chunks and verifies mixed);
+  2. per sampling request: accept drafts / sample (workers.sampler);
+  3. MTP draft step 0 over every (h_i, t_{i+1}) pair the step made known (the last accepted
+     token's row last), then draft steps 1..k-1 with one token per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.attention_metadata import AttentionMetadata
+from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
+from workers.kv_cache import allocate_kv_caches
+from workers.sampler import token_logprobs, verify_and_sample
+from workers.topk_share import DraftTopkShare
+
+
+@dataclass
+class _SeqState:
+    """What the runner keeps for a request between steps."""
+
+    # Target hidden state of the last computed position whose next token was not yet known
+    # (the end of a non-final prefill chunk); the MTP layer consumes it next step.
+    pending_hidden: torch.Tensor | None = None
+    pending_position: int = -1
+    generator: torch.Generator | None = None
+
+
+class ModelRunner:
+    def __init__(
+        self, model, num_blocks: int, block_size_tokens: int, device: torch.device,
+        broadcast_tokens=None,
+    ):
+        self.model = model
+        self.config = model.config
+        self.device = device
+        self.block_size = block_size_tokens
+        self.num_blocks = num_blocks
+        kv, idx = allocate_kv_caches(
+            self.config, num_blocks, block_size_tokens, model.dtype, device,
+            with_mtp=model.mtp is not None,
+        )
+        model.bind_caches(kv, idx)
+        self.states: dict[str, _SeqState] = {}
+        self.topk_share = DraftTopkShare()
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.model.mtp is not None
+
+    # --- tensors -------------------------------------------------------------------------------
+
+    def _metadata(
+        self, rows: list[tuple[int, int]], block_tables: torch.Tensor
+    ) -> AttentionMetadata:
+        """rows: (seq index into block_tables, position) per token."""
+        seq_idx = torch.tensor([s for s, _ in rows], dtype=torch.long)
+        positions = torch.tensor([p for _, p in rows], dtype=torch.long)
+        blocks = block_tables.cpu()[seq_idx, positions // self.block_size].long()
+        slots = blocks * self.block_size + positions % self.block_size
+        return AttentionMetadata(
+            positions=positions.to(self.device),
+            slot_mapping=slots.to(self.device),
+            seq_idx=seq_idx.to(self.device),
+            block_tables=block_tables,
+        )
+
+    def _block_tables(self, seqs: list[SeqWork]) -> torch.Tensor:
+        width = max(len(s.block_ids) for s in seqs)
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        return table.to(self.device)
+
+    def _state(self, seq: SeqWork) -> _SeqState:
+        state = self.states.get(seq.request_id)
+        if state is None or seq.start_position == 0:
+            # New request, or a recompute after preemption: nothing carried over.
+            state = _SeqState()
+            if seq.sampling.seed is not None:
+                state.generator = torch.Generator(self.device).manual_seed(seq.sampling.seed)
+            self.states[seq.request_id] = state
+        return state
+
+    # --- the step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        for rid in step.finished_request_ids:
+            self.states.pop(rid, None)
+        seqs = step.seqs
+        if not seqs:
+            return StepOutput([])
+        states = [self._state(s) for s in seqs]
+        tables = self._block_tables(seqs)
+        rows = [(i, s.start_position + j) for i, s in enumerate(seqs) for j in range(len(s.token_ids))]
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
+        hidden = self.model(input_ids, self._metadata(rows, tables))  # [T, hidden]
+
+        # Rows whose logits are needed: a verify's 1 + k positions, a final chunk's last one.
+        offsets, logit_rows = [], []
+        start = 0
+        for s in seqs:
+            offsets.append(start)
+            if s.samples:
+                logit_rows.extend(range(start + len(s.token_ids) - 1 - s.num_draft_tokens,
+                                        start + len(s.token_ids)))
+            start += len(s.token_ids)
+        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+
+        results, cursor = [], 0
+        for s, state in zip(seqs, states):
+            if not s.samples:
+                results.append(SeqResult(s.request_id, []))
+                continue
+            n = s.num_draft_tokens + 1
+            seq_logits = logits[cursor : cursor + n]
+            cursor += n
+            drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens :] if s.num_draft_tokens else []
+            tokens, accepted = verify_and_sample(seq_logits, drafts, s.sampling, state.generator)
+            logprobs = None
+            if s.sampling.num_logprobs is not None:
+                logprobs = token_logprobs(seq_logits[: len(tokens)], tokens, s.sampling.num_logprobs)
+            results.append(SeqResult(s.request_id, tokens, accepted, [], logprobs))
+
+        if self.has_mtp and step.num_draft_tokens > 0:
+            self._propose(step, seqs, states, tables, hidden, offsets, results)
+        return StepOutput(results)
+
+    # --- MTP drafting ----------------------------------------------------------------------------
+
+    def _propose(self, step, seqs, states, tables, hidden, offsets, results) -> None:
+        """Draft step 0 over every newly known (h_i, t_{i+1}) pair, then steps 1..k-1."""
+        pair_rows, pair_tokens, pair_hidden = [], [], []
+        last_row = {}  # seq index -> row of its last accepted token in the step-0 batch
+        for i, (s, state, res) in enumerate(zip(seqs, states, results)):
+            base = offsets[i]
+            # Tokens now known at positions start+1 ..: the rest of this chunk, then what was
+            # sampled (accepted drafts + the target's token) for a sampling step.
+            accepted_len = len(s.token_ids) - s.num_draft_tokens
+            known_next = s.token_ids[1:accepted_len] + res.sampled_token_ids
+            if state.pending_hidden is not None and state.pending_position == s.start_position - 1:
+                pair_rows.append((i, state.pending_position))
+                pair_tokens.append(s.token_ids[0])
+                pair_hidden.append(state.pending_hidden[None])
+            state.pending_hidden = None
+            num_pairs = min(len(known_next), accepted_len + res.num_accepted_drafts)
+            for j in range(num_pairs):
+                pair_rows.append((i, s.start_position + j))
+                pair_tokens.append(known_next[j])
+            pair_hidden.append(hidden[base : base + num_pairs])
+            if s.samples:
+                last_row[i] = len(pair_rows) - 1
+            else:
+                end = s.start_position + len(s.token_ids) - 1
+                state.pending_hidden, state.pending_position = hidden[base + len(s.token_ids) - 1], end
+        if not last_row:
+            return
+        meta = self._metadata(pair_rows, tables)
+        with self.topk_share.prefill(step.share_topk):
+            mtp_hidden = self.model.mtp_forward(
+                torch.tensor(pair_tokens, device=self.device), torch.cat(pair_hidden), meta
+            )
+            shared_rows = self.topk_share.keep_rows(meta, list(last_row.values()))
+        seq_ids = list(last_row)
+        g = mtp_hidden[list(last_row.values())]  # [R, hidden]
+        drafts = [self.model.mtp_logits(g).argmax(-1)]
+        positions = [pair_rows[r][1] for r in last_row.values()]
+        with self.topk_share.multi_step_decode(step.share_topk, shared_rows):
+            for j in range(1, step.num_draft_tokens):
+                rows = [(i, p + j) for i, p in zip(seq_ids, positions)]
+                meta = self._metadata(rows, tables)
+                meta.shared_topk = self.topk_share.rows_for_step(j, meta.positions)
+                g = self.model.mtp_forward(drafts[-1], g, meta)
+                drafts.append(self.model.mtp_logits(g).argmax(-1))
+        proposals = torch.stack(drafts, 1).tolist()  # [R, k]
+        for i, tokens in zip(seq_ids, proposals):
+            results[i].next_draft_token_ids = tokens

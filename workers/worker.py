@@ -1,0 +1,78 @@
+"""One rank: its device, its process groups, its shard of the model, its runner.
+
+The same class runs in-process (TP=1) and inside a Ray actor (workers.worker_actor).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from workers.batch import StepInput, StepOutput
+from workers.kv_cache import cache_bytes_per_block
+from workers.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BLOCKS = 512  # 32Ki token slots: plenty for the tiny models served on CPU
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class Worker:
+    def __init__(
+        self, model_dir: str, device: str = "auto", dtype: str = "auto",
+        num_kv_blocks: int | None = None, block_size_tokens: int = 64,
+        enable_mtp: bool = True, gpu_memory_utilization: float = 0.85, local_rank: int = 0,
+        cpu_threads: int | None = None,
+    ):
+        from workers.loader import load_model
+
+        self.device = resolve_device(device, local_rank)
+        # Measured on a 2-core box under load: a 10x64 @ 64x64 matmul took 0.9 ms with 2 intra-op
+        # threads and 4 us with 1 (OpenMP threads fighting the other processes for the cores).
+        torch.set_num_threads(cpu_threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model, self.config = load_model(model_dir, self.dtype, self.device, enable_mtp)
+        if num_kv_blocks is None:
+            num_kv_blocks = self._kv_blocks_from_memory(block_size_tokens, gpu_memory_utilization)
+        self.num_kv_blocks = num_kv_blocks
+        self.runner = ModelRunner(self.model, num_kv_blocks, block_size_tokens, self.device)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.model.mtp is not None
+
+    def _kv_blocks_from_memory(self, block_size_tokens: int, utilization: float) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BLOCKS
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Leave room for activations: utilization of total minus what is used already.
+        budget = max(0, int(total * utilization) - (total - free))
+        per_block = cache_bytes_per_block(self.config, block_size_tokens, self.dtype, self.has_mtp)
+        blocks = budget // per_block
+        logger.info("KV cache: %d blocks of %d tokens (%.1f GiB)", blocks, block_size_tokens,
+                    blocks * per_block / 2**30)
+        return int(blocks)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.runner.execute(step)
+
+    def ping(self) -> bool:
+        return True
