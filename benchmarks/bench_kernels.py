@@ -1,0 +1,248 @@
+"""Kernel benchmark at DeepSeek-V3.2 decode shapes on one GPU; prints a Markdown table.
+
+    PYTHONPATH=$PWD python benchmarks/bench_kernels.py [--out results.md]
+
+Times come from CUDA-graph replays (a graph of REPEATS calls, replayed, timed by CUDA events), so
+launch overhead is what a captured decode step pays. Bytes are the HBM bytes the op must move at
+least (inputs read once, outputs written once), so GB/s is a lower bound on achieved bandwidth,
+compared with a device-to-device copy measured in the same run. Each kernel is timed with PDL on
+(the gate's choice on Hopper) and off (MTPSERVE_DISABLE_PDL=1). Last, a chain of a few layers'
+kernels as a decode step: graph with PDL, graph without, and the twins eagerly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from typing import Callable
+
+import torch
+
+from kernels import ops
+from kernels.activation import silu_and_mul_triton
+from kernels.cache_write import indexer_k_cache_write_triton, mla_kv_cache_write_triton
+from kernels.indexer import indexer_logits_triton, indexer_topk_triton
+from kernels.moe_experts import grouped_moe_triton
+from kernels.moe_routing import moe_route_triton
+from kernels.rmsnorm import rms_norm_triton
+from kernels.rope import rope_cos_sin
+from kernels.sparse_mla import sparse_mla_attention_triton
+
+HIDDEN, NUM_HEADS, KV_LORA, ROPE = 7168, 128, 512, 64
+INDEX_HEADS, INDEX_DIM, INDEX_TOPK = 64, 128, 2048
+NUM_EXPERTS, TOP_K, NUM_GROUPS, TOPK_GROUPS, MOE_INTER = 256, 8, 8, 4, 2048
+BLOCK = 64
+BF16 = torch.bfloat16
+CUDA = torch.device("cuda")
+REPEATS = 20  # calls captured per graph
+BATCHES = (1, 8, 32)
+CONTEXTS = (1024, 8192)
+
+
+def graph_time_us(fn: Callable[[], object], repeats: int = REPEATS, replays: int = 10) -> float:
+    """Mean time per call of `fn` replayed inside a CUDA graph of `repeats` calls."""
+    fn()  # compile
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * repeats)
+
+
+def with_pdl(enabled: bool) -> None:
+    if enabled:
+        os.environ.pop("MTPSERVE_DISABLE_PDL", None)
+    else:
+        os.environ["MTPSERVE_DISABLE_PDL"] = "1"
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=CUDA)
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda: dst.copy_(src), repeats=5, replays=5)
+    return 2 * src.numel() / us / 1e3  # read + write
+
+
+def paged(num_seqs: int, context: int, width: int):
+    blocks = context // BLOCK
+    cache = torch.randn(num_seqs * blocks, BLOCK, width, dtype=BF16, device=CUDA)
+    tables = torch.randperm(num_seqs * blocks, device=CUDA).to(torch.int32).view(num_seqs, blocks)
+    return cache, tables
+
+
+def cos_sin(positions):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, ROPE, 2, device=CUDA).float() / ROPE))
+    return rope_cos_sin(positions, inv_freq)
+
+
+def kernel_cases(batch: int, context: int, experts):
+    """(name, fn, bytes) for each kernel at one decode shape (one token per sequence)."""
+    w13, w2 = experts
+    seq_idx = torch.arange(batch, device=CUDA, dtype=torch.int32)
+    positions = torch.full((batch,), context - 1, device=CUDA, dtype=torch.int32)
+    cos, sin = cos_sin(positions)
+    slots = torch.arange(batch, device=CUDA) * context + context - 1
+    cases = []
+    x = torch.randn(batch, HIDDEN, dtype=BF16, device=CUDA)
+    w = torch.randn(HIDDEN, dtype=BF16, device=CUDA)
+    cases.append(("rms_norm [B, 7168]", lambda: rms_norm_triton(x, w, 1e-6), 2 * (2 * x.numel() + HIDDEN)))
+    gu = torch.randn(batch * TOP_K, 2 * MOE_INTER, dtype=BF16, device=CUDA)
+    cases.append(("silu_and_mul [8B, 2x2048]", lambda: silu_and_mul_triton(gu), 2 * gu.numel() * 3 // 2))
+    kv_cache, tables = paged(batch, context, KV_LORA + ROPE)
+    kv_a = torch.randn(batch, KV_LORA + ROPE, dtype=BF16, device=CUDA)
+    kv_w = torch.randn(KV_LORA, dtype=BF16, device=CUDA)
+    cases.append(("mla_kv_cache_write", lambda: mla_kv_cache_write_triton(kv_a, kv_w, 1e-6, cos, sin, kv_cache, slots), 2 * 3 * kv_a.numel()))
+    k_cache, _ = paged(batch, context, INDEX_DIM)
+    k = torch.randn(batch, INDEX_DIM, dtype=BF16, device=CUDA)
+    ln_w, ln_b = torch.ones(INDEX_DIM, dtype=BF16, device=CUDA), torch.zeros(INDEX_DIM, dtype=BF16, device=CUDA)
+    cases.append(("indexer_k_cache_write", lambda: indexer_k_cache_write_triton(k, ln_w, ln_b, 1e-6, cos, sin, k_cache, slots), 2 * 3 * k.numel()))
+    qi = torch.randn(batch, INDEX_HEADS, INDEX_DIM, dtype=BF16, device=CUDA)
+    wi = torch.rand(batch, INDEX_HEADS, dtype=BF16, device=CUDA)
+    idx_bytes = batch * (context * INDEX_DIM * 2 + qi[0].numel() * 2 + context * 4)
+    cases.append(("indexer logits", lambda: indexer_logits_triton(qi, wi, k_cache, tables, seq_idx, positions, INDEX_DIM**-0.5), idx_bytes))
+    cases.append(("indexer logits + torch.topk", lambda: indexer_topk_triton(qi, wi, k_cache, tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5), idx_bytes))
+    q = torch.randn(batch, NUM_HEADS, KV_LORA + ROPE, dtype=BF16, device=CUDA)
+    topk = torch.stack([torch.randperm(context, device=CUDA)[:INDEX_TOPK] for _ in range(batch)]).to(torch.int32)
+    num_keys = min(INDEX_TOPK, context)
+    mla_bytes = batch * (num_keys * (KV_LORA + ROPE) * 2 + q[0].numel() * 2 + NUM_HEADS * KV_LORA * 2 + INDEX_TOPK * 4)
+    cases.append(("sparse_mla_attention (top-2048)", lambda: sparse_mla_attention_triton(q, kv_cache, tables, seq_idx, topk, 192**-0.5, KV_LORA), mla_bytes))
+    logits = torch.randn(batch, NUM_EXPERTS, device=CUDA)
+    bias = torch.randn(NUM_EXPERTS, device=CUDA) * 0.1
+    cases.append(("moe_route (256 -> 8)", lambda: moe_route_triton(logits, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5), logits.numel() * 4 + batch * TOP_K * 8))
+    weights, ids = moe_route_triton(logits, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5)
+    num_active = int(ids.unique().numel())
+    moe_bytes = num_active * 3 * MOE_INTER * HIDDEN * 2 + 2 * x.numel() * 2
+    cases.append((f"grouped_moe ({num_active} experts)", lambda: grouped_moe_triton(x, w13, w2, weights, ids), moe_bytes))
+    return cases
+
+
+def decode_chain(num_layers: int, batch: int, context: int, experts):
+    """One decode step's kernels for `num_layers` layers (each its own caches, shared experts)."""
+    w13, w2 = experts
+    seq_idx = torch.arange(batch, device=CUDA, dtype=torch.int32)
+    positions = torch.full((batch,), context - 1, device=CUDA, dtype=torch.int32)
+    cos, sin = cos_sin(positions)
+    layers = []
+    for _ in range(num_layers):
+        kv_cache, tables = paged(batch, context, KV_LORA + ROPE)
+        k_cache, _ = paged(batch, context, INDEX_DIM)
+        layers.append((kv_cache, k_cache, tables))
+    hidden = torch.randn(batch, HIDDEN, dtype=BF16, device=CUDA)
+    norm_w = torch.randn(HIDDEN, dtype=BF16, device=CUDA)
+    kv_a = torch.randn(batch, KV_LORA + ROPE, dtype=BF16, device=CUDA)
+    kv_w = torch.randn(KV_LORA, dtype=BF16, device=CUDA)
+    k = torch.randn(batch, INDEX_DIM, dtype=BF16, device=CUDA)
+    ln_w, ln_b = torch.ones(INDEX_DIM, dtype=BF16, device=CUDA), torch.zeros(INDEX_DIM, dtype=BF16, device=CUDA)
+    qi = torch.randn(batch, INDEX_HEADS, INDEX_DIM, dtype=BF16, device=CUDA)
+    wi = torch.rand(batch, INDEX_HEADS, dtype=BF16, device=CUDA)
+    q = torch.randn(batch, NUM_HEADS, KV_LORA + ROPE, dtype=BF16, device=CUDA)
+    router = torch.randn(batch, NUM_EXPERTS, device=CUDA)
+    bias = torch.randn(NUM_EXPERTS, device=CUDA) * 0.1
+
+    gate_up = torch.randn(batch, 2 * 18432 // 8, dtype=BF16, device=CUDA)  # a dense MLP's, TP=8
+
+    def step():
+        for kv_cache, k_cache, tables in layers:
+            slots = tables[:, -1].long() * BLOCK + BLOCK - 1
+            normed = ops.rms_norm(hidden, norm_w, 1e-6)
+            ops.mla_kv_cache_write(kv_a, kv_w, 1e-6, cos, sin, kv_cache, slots)
+            ops.indexer_k_cache_write(k, ln_w, ln_b, 1e-6, cos, sin, k_cache, slots)
+            topk = ops.indexer_topk(qi, wi, k_cache, tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5)
+            ops.sparse_mla_attention(q, kv_cache, tables, seq_idx, topk, 192**-0.5, KV_LORA)
+            ops.rms_norm(hidden, norm_w, 1e-6)
+            weights, ids = ops.moe_route(router, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5)
+            ops.grouped_moe(normed, w13, w2, weights, ids)
+            ops.silu_and_mul(gate_up)
+
+    return step
+
+
+def eager_time_us(fn, iters: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="also write the Markdown here")
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    lines = []
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    import triton
+
+    emit(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+         f"{triton.__version__}; date {datetime.date.today()}; commit {commit}")
+    emit(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
+    copy = copy_bandwidth_gbs()
+    emit(f"measured copy bandwidth (2 GiB D2D, read + write): {copy:.0f} GB/s")
+    emit()
+    w13 = torch.randn(NUM_EXPERTS, 2 * MOE_INTER, HIDDEN, dtype=BF16, device=CUDA) * 0.02
+    w2 = torch.randn(NUM_EXPERTS, HIDDEN, MOE_INTER, dtype=BF16, device=CUDA) * 0.02
+    emit("| kernel | batch | context | MB moved | us (PDL off) | us (PDL on) | GB/s (on) | % of copy |")
+    emit("|---|---|---|---|---|---|---|---|")
+    for context in CONTEXTS:
+        for batch in BATCHES:
+            for name, fn, nbytes in kernel_cases(batch, context, (w13, w2)):
+                if context != CONTEXTS[-1] and not name.startswith(("indexer logits", "sparse")):
+                    continue  # context-independent: report once
+                times = {}
+                for pdl in (False, True):
+                    with_pdl(pdl)
+                    times[pdl] = graph_time_us(fn)
+                gbs = nbytes / times[True] / 1e3
+                emit(f"| {name} | {batch} | {context} | {nbytes / 1e6:.2f} | {times[False]:.1f} "
+                     f"| {times[True]:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% |")
+    emit()
+    emit(f"Decode-step chain, {args.layers} layers of these kernels (8 launches+ per layer):")
+    emit("| batch | context | twins eager (us) | graph, PDL off (us) | graph, PDL on (us) | PDL saves |")
+    emit("|---|---|---|---|---|---|")
+    for batch, context in ((1, 8192), (8, 8192), (32, 8192)):
+        step = decode_chain(args.layers, batch, context, (w13, w2))
+        os.environ["MTPSERVE_FORCE_REFERENCE"] = "1"
+        twins = eager_time_us(step, iters=2)
+        del os.environ["MTPSERVE_FORCE_REFERENCE"]
+        times = {}
+        for pdl in (False, True):
+            with_pdl(pdl)
+            times[pdl] = graph_time_us(step, repeats=2, replays=10)
+        emit(f"| {batch} | {context} | {twins:.0f} | {times[False]:.0f} | {times[True]:.0f} | "
+             f"{100 * (1 - times[True] / times[False]):.1f}% |")
+    with_pdl(True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
