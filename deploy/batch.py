@@ -1,0 +1,214 @@
+"""Offline batch inference: `python -m deploy.batch --input prompts.jsonl --output results.jsonl`.
+
+Run it on a cluster with
+    ray job submit --address http://HEAD:8265 -- python -m deploy.batch --input ... --output ...
+
+Input: one JSON object per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages":
+[...]}` (chat template applied), optionally with `max_tokens`, `temperature`, `top_p`, `top_k`,
+`seed`, `stop`, `ignore_eos`. A line without an id gets `line-<n>` (1-based).
+
+Output: one JSON object per request, appended as each finishes:
+`{"id", "text", "completion_token_ids", "num_prompt_tokens", "finish_reason", "error": null}`, or
+`{"id", "error": "..."}` when the line was bad or the request failed.
+
+Resumable: ids whose last row succeeded are skipped, so a rerun after an interruption only does
+what is left (failed rows are retried). Exit status 1 if any request of this run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+DEFAULT_MAX_TOKENS = 64
+
+
+def read_done_ids(output_path: str) -> set[str]:
+    """Ids whose last row in `output_path` has no error. A torn last line (the writer was
+    killed mid-line) is ignored."""
+    status: dict[str, bool] = {}
+    if not os.path.exists(output_path):
+        return set()
+    with open(output_path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and "id" in row:
+                status[str(row["id"])] = row.get("error") is None
+    return {row_id for row_id, ok in status.items() if ok}
+
+
+def read_requests(input_path: str) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+    """Yields (id, request, error): a bad line gives (id, None, why)."""
+    with open(input_path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            fallback_id = f"line-{line_number}"
+            try:
+                request = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield fallback_id, None, f"line {line_number}: invalid JSON: {exc}"
+                continue
+            if not isinstance(request, dict):
+                yield fallback_id, None, f"line {line_number}: expected a JSON object"
+                continue
+            request_id = str(request.get("id", fallback_id))
+            if ("prompt" in request) == ("messages" in request):
+                yield request_id, None, f"line {line_number}: need exactly one of prompt/messages"
+                continue
+            yield request_id, request, None
+
+
+def _prompt_token_ids(request: dict[str, Any], tokenizer) -> list[int]:
+    if "messages" in request:
+        text = tokenizer.apply_chat_template(
+            request["messages"], tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+    prompt = request["prompt"]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    raise ValueError("prompt must be a string or a list of token ids")
+
+
+class BatchRunner:
+    def __init__(self, engine, output_path: str, concurrency: int):
+        self._engine = engine
+        self._output = open(output_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in run
+        self._slots = asyncio.Semaphore(concurrency)
+        self.num_failed = 0
+        self.num_succeeded = 0
+
+    def _write(self, row: dict[str, Any]) -> None:
+        self._output.write(json.dumps(row) + "\n")
+        self._output.flush()  # a row on disk is a row a rerun skips
+        if row.get("error") is None:
+            self.num_succeeded += 1
+        else:
+            self.num_failed += 1
+
+    async def run_one(self, request_id: str, request: dict[str, Any]) -> None:
+        from cluster.sampling_params import SamplingParams
+
+        async with self._slots:
+            try:
+                kwargs = {k: request[k] for k in SAMPLING_FIELDS if k in request}
+                kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+                params = SamplingParams(**kwargs)
+                params.validate()
+                prompt_ids = _prompt_token_ids(request, self._engine.tokenizer)
+                last = None
+                async for last in self._engine.generate(
+                    prompt_ids, params, f"batch-{uuid.uuid4().hex}"
+                ):
+                    pass
+                self._write({
+                    "id": request_id, "text": last.text,
+                    "completion_token_ids": list(last.token_ids),
+                    "num_prompt_tokens": last.num_prompt_tokens,
+                    "finish_reason": last.finish_reason, "error": None,
+                })
+            except Exception as exc:  # noqa: BLE001 - record it; the job goes on
+                self._write({"id": request_id, "error": f"{type(exc).__name__}: {exc}"})
+
+    def close(self) -> None:
+        self._output.close()
+
+
+async def run_batch(
+    input_path: str, output_path: str, engine, concurrency: int, progress: bool = True
+) -> BatchRunner:
+    from tqdm import tqdm
+
+    _terminate_torn_line(output_path)
+    done = read_done_ids(output_path)
+    runner = BatchRunner(engine, output_path, concurrency)
+    todo, skipped = [], 0
+    for request_id, request, error in read_requests(input_path):
+        if request_id in done:
+            skipped += 1
+        elif error is not None:
+            runner._write({"id": request_id, "error": error})
+        else:
+            todo.append((request_id, request))
+    print(f"batch: {skipped} already done, {len(todo)} to run, "
+          f"{runner.num_failed} bad lines", file=sys.stderr, flush=True)
+    bar = tqdm(total=len(todo), desc="batch", unit="req", disable=not progress, file=sys.stderr)
+
+    async def tracked(request_id, request):
+        await runner.run_one(request_id, request)
+        bar.update(1)
+
+    try:
+        await asyncio.gather(*(tracked(i, r) for i, r in todo))
+    finally:
+        bar.close()
+        runner.close()
+    return runner
+
+
+def _terminate_torn_line(output_path: str) -> None:
+    """If a killed writer left a line without its newline, end it so appends start clean."""
+    if not os.path.exists(output_path) or os.path.getsize(output_path) == 0:
+        return
+    with open(output_path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.batch", description=__doc__)
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: default model)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--num-draft-tokens", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+    from cluster.async_engine import AsyncEngine
+    from cluster.config import EngineConfig
+
+    model = args.model
+    if model is None:
+        from workers.default_model import default_model_path
+
+        model = default_model_path()
+    config = EngineConfig(
+        model=model, tp_size=args.tp, ep_size=args.ep, num_draft_tokens=args.num_draft_tokens,
+        device=args.device, max_queued_requests=max(256, args.concurrency),
+    )
+
+    async def run() -> BatchRunner:
+        engine = AsyncEngine(config)
+        try:
+            return await run_batch(args.input, args.output, engine, args.concurrency,
+                                   progress=not args.no_progress)
+        finally:
+            await engine.shutdown()
+
+    runner = asyncio.run(run())
+    print(f"batch: {runner.num_succeeded} succeeded, {runner.num_failed} failed",
+          file=sys.stderr, flush=True)
+    return 1 if runner.num_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The shipped YAMLs pass Ray's own schema validation and agree with what the code builds."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.timeout(60)
+
+DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
+SERVE_CONFIGS = [DEPLOY_DIR / "serve.yaml", DEPLOY_DIR / "configs" / "serve-cpu.yaml"]
+
+
+def _serve_schema(config: dict):
+    from ray.serve.schema import ServeDeploySchema
+
+    return ServeDeploySchema.model_validate(config)
+
+
+def _deployment(app_config, name: str):
+    [deployment] = [d for d in app_config.deployments if d.name == name]
+    return deployment
+
+
+def _check_serve_app(app_config) -> None:
+    from deploy.app import INGRESS_NAME, MODEL_SERVER_NAME, AppArgs, placement_bundles
+
+    assert app_config.import_path == "deploy.app:build_app"
+    args = AppArgs.model_validate(app_config.args)  # the builder accepts exactly these args
+    server = _deployment(app_config, MODEL_SERVER_NAME)
+    # Bundles spelled out in YAML equal the ones the builder derives: 1 + one per TP rank.
+    assert server.placement_group_bundles == placement_bundles(args)
+    assert len(server.placement_group_bundles) == 1 + args.tp_size
+    assert server.placement_group_strategy == "STRICT_PACK"
+    scaling = server.autoscaling_config
+    assert 1 <= scaling["min_replicas"] < scaling["max_replicas"]
+    assert 0 < scaling["target_ongoing_requests"] <= server.max_ongoing_requests
+    # The ingress must never be the bottleneck in front of the engines.
+    ingress = _deployment(app_config, INGRESS_NAME)
+    assert ingress.max_ongoing_requests >= server.max_ongoing_requests * scaling["max_replicas"]
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_serve_config_passes_ray_schema(path):
+    schema = _serve_schema(yaml.safe_load(path.read_text()))
+    [app_config] = schema.applications
+    _check_serve_app(app_config)
+
+
+def test_gpu_serve_config_asks_one_gpu_per_tp_rank():
+    [app_config] = _serve_schema(yaml.safe_load(SERVE_CONFIGS[0].read_text())).applications
+    bundles = _deployment(app_config, "ModelServer").placement_group_bundles
+    assert [b.get("GPU", 0) for b in bundles] == [0] + [1.0] * app_config.args["tp_size"]
+
+
+def test_kuberay_rayservice_embeds_a_valid_serve_config():
+    manifest = yaml.safe_load((DEPLOY_DIR / "kuberay-rayservice.yaml").read_text())
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayService"
+    [app_config] = _serve_schema(yaml.safe_load(manifest["spec"]["serveConfigV2"])).applications
+    _check_serve_app(app_config)
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    [gpu_group] = cluster["workerGroupSpecs"]
+    assert 0 <= gpu_group["minReplicas"] <= gpu_group["replicas"] <= gpu_group["maxReplicas"]
+    [container] = gpu_group["template"]["spec"]["containers"]
+    gpus_per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus_per_pod % app_config.args["tp_size"] == 0  # whole engines per pod
+
+
+def test_cluster_launcher_passes_ray_schema():
+    import jsonschema
+    import ray
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((DEPLOY_DIR / "cluster-launcher.yaml").read_text())
+    schema_path = os.path.join(os.path.dirname(ray.__file__), "autoscaler", "ray-schema.json")
+    with open(schema_path) as f:
+        jsonschema.validate(config, json.load(f))
+    validate_config(prepare_config(config))  # what `ray up` runs
+    node_types = config["available_node_types"]
+    gpu = node_types["gpu_worker"]
+    assert gpu["resources"]["GPU"] >= 1 and 0 <= gpu["min_workers"] < gpu["max_workers"]
+    assert node_types[config["head_node_type"]]["resources"].get("GPU", 0) == 0
+    assert config["max_workers"] >= gpu["max_workers"]
