@@ -14,8 +14,12 @@ preempts itself and a prefill chunk waits (keeping its blocks), and no new reque
 that step. Preemption is by recompute: blocks freed, `num_computed_tokens = 0`,
 drafts dropped, back to the front of the waiting queue; it later prefills prompt + outputs.
 
-Progress guarantee: the config requires one request of `max_model_len` tokens to fit in the pool
-and (without chunked prefill) in one step's budget, so the oldest running request can always
+A step that samples also owns `k - 1` lookahead slots past its last token: MTP draft steps
+1..k-1 write the MTP layer's caches there. `update()` rolls them back with rejected drafts, so
+between steps a request owns exactly the blocks of its computed KV.
+
+Progress guarantee: the config requires one request of `max_model_len` tokens (plus lookahead)
+to fit in the pool and (without chunked prefill) in one step's budget, so the oldest running request can always
 run once everything younger is preempted.
 
 Requests that can never run (prompt longer than `max_model_len`, or empty) are rejected at
@@ -131,10 +135,13 @@ class Scheduler:
         )
         if self.block_manager.block_size_tokens != config.block_size_tokens:
             raise ValueError("block manager and config disagree on block_size_tokens")
-        if self.block_manager.capacity_tokens < config.max_model_len:
+        # The largest step of one request: a max_model_len prefill plus the MTP lookahead.
+        max_request_slots = config.max_model_len + max(0, config.num_draft_tokens - 1)
+        if self.block_manager.capacity_tokens < max_request_slots:
             raise ValueError(
-                f"the KV pool holds {self.block_manager.capacity_tokens} tokens, less than "
-                f"max_model_len={config.max_model_len}: a long request could never run"
+                f"the KV pool holds {self.block_manager.capacity_tokens} tokens, fewer than "
+                f"max_model_len={config.max_model_len} + {max_request_slots - config.max_model_len}"
+                " MTP lookahead slots: a long request could never run"
             )
         self.tokenizer = tokenizer
         self.waiting: deque[Request] = deque()
