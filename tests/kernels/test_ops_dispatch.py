@@ -27,14 +27,22 @@ def test_ops_keep_the_twins_signatures(name: str) -> None:
     assert inspect.signature(getattr(ops, name)) == inspect.signature(TWINS[name])
 
 
-@pytest.mark.parametrize("force_reference,interpret,expect", [
-    ("0", "1", "triton"), ("1", "1", "twin"), ("0", "0", "twin"),
+@pytest.mark.parametrize("force_reference,device,expect", [
+    ("0", "cuda", "triton"), ("1", "cuda", "twin"), ("0", "cpu", "twin"),
 ])
-def test_ops_dispatch_follows_use_triton(monkeypatch, force_reference, interpret, expect) -> None:
+def test_use_triton_policy(monkeypatch, force_reference, device, expect) -> None:
+    from kernels.platform import use_triton
+
     monkeypatch.setenv("MTPSERVE_FORCE_REFERENCE", force_reference)
-    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter never routes the model to Triton
+    assert use_triton(torch.device(device)) == (expect == "triton")
+
+
+@pytest.mark.parametrize("triton_on", [True, False])
+def test_ops_dispatch_follows_use_triton(monkeypatch, triton_on) -> None:
+    monkeypatch.setattr(ops, "use_triton", lambda device: triton_on)
     called: list[str] = []
     monkeypatch.setattr(ops, "silu_and_mul_triton", lambda x: called.append("triton") or x)
     monkeypatch.setattr(ops, "silu_and_mul_reference", lambda x: called.append("twin") or x)
     ops.silu_and_mul(torch.zeros(2, 4))
-    assert called == [expect]
+    assert called == ["triton" if triton_on else "twin"]
