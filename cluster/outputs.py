@@ -77,7 +77,8 @@ class SpecDecodeStats:
 
     @property
     def mean_tokens_per_round(self) -> float:
-        """Tokens gained per round (accepted drafts + 1), averaged; 1.0 with MTP off or no rounds."""
+        """Tokens gained per round (accepted drafts + 1), averaged; 1.0 with MTP off or no
+        rounds."""
         if self.num_rounds == 0:
             return 1.0
         return (self.num_accepted_drafts + self.num_rounds) / self.num_rounds

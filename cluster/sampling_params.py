@@ -20,7 +20,10 @@ MAX_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
-    """Bad user input; `param` names the offending field (mapped to an OpenAI-shaped 400 by deploy/)."""
+    """Bad user input; `param` names the offending field.
+
+    deploy/ maps it to an OpenAI-shaped 400 whose `param` is this field.
+    """
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)

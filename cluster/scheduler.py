@@ -19,8 +19,8 @@ A step that samples also owns `k - 1` lookahead slots past its last token: MTP d
 between steps a request owns exactly the blocks of its computed KV.
 
 Progress guarantee: the config requires one request of `max_model_len` tokens (plus lookahead)
-to fit in the pool and (without chunked prefill) in one step's budget, so the oldest running request can always
-run once everything younger is preempted.
+to fit in the pool and (without chunked prefill) in one step's budget, so the oldest running
+request can always run once everything younger is preempted.
 
 Requests that can never run (prompt longer than `max_model_len`, or empty) are rejected at
 `add()` with `InvalidRequestError(param="prompt")`; FINISHED_ERROR is left for engine failures.
@@ -367,7 +367,8 @@ class Scheduler:
             num_chunk = self._prefill_chunk(request, budget_tokens)
             if num_chunk == 0:
                 break
-            if not self.block_manager.can_allocate(request, self._prefill_slots(request, num_chunk)):
+            num_slots = self._prefill_slots(request, num_chunk)
+            if not self.block_manager.can_allocate(request, num_slots):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

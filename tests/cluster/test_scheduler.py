@@ -151,7 +151,8 @@ def test_preemption_by_recompute_then_resume() -> None:
     sched.add(a)
     sched.add(b)
     out, _ = step(sched, {"a": [10]})  # a prefills 3; b gets the last token of budget
-    assert [(s.request_id, s.start_position, len(s.token_ids), s.samples) for s in out.scheduled] == [
+    summary = [(s.request_id, s.start_position, len(s.token_ids), s.samples) for s in out.scheduled]
+    assert summary == [
         ("a", 0, 3, True),
         ("b", 0, 1, False),
     ]
