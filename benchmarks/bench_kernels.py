@@ -73,10 +73,12 @@ def with_pdl(enabled: bool) -> None:
 
 
 def copy_bandwidth_gbs() -> float:
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=CUDA)
+    src = torch.randn(512 * 1024**2, dtype=torch.float32, device=CUDA)  # 2 GiB
     dst = torch.empty_like(src)
-    us = graph_time_us(lambda: dst.copy_(src), repeats=5, replays=5)
-    return 2 * src.numel() / us / 1e3  # read + write
+    for _ in range(5):  # clocks up
+        dst.copy_(src)
+    us = graph_time_us(lambda: dst.copy_(src), repeats=5, replays=10)
+    return 2 * src.numel() * 4 / us / 1e3  # read + write
 
 
 def paged(num_seqs: int, context: int, width: int):
@@ -116,6 +118,7 @@ def kernel_cases(batch: int, context: int, experts):
     wi = torch.rand(batch, INDEX_HEADS, dtype=BF16, device=CUDA)
     idx_bytes = batch * (context * INDEX_DIM * 2 + qi[0].numel() * 2 + context * 4)
     cases.append(("indexer logits", lambda: indexer_logits_triton(qi, wi, k_cache, tables, seq_idx, positions, INDEX_DIM**-0.5), idx_bytes))
+    cases.append(("indexer logits + torch.sort (alt.)", lambda: indexer_logits_triton(qi, wi, k_cache, tables, seq_idx, positions, INDEX_DIM**-0.5).sort(-1, descending=True).indices[:, :INDEX_TOPK], idx_bytes))
     cases.append(("indexer logits + torch.topk", lambda: indexer_topk_triton(qi, wi, k_cache, tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5), idx_bytes))
     q = torch.randn(batch, NUM_HEADS, KV_LORA + ROPE, dtype=BF16, device=CUDA)
     topk = torch.stack([torch.randperm(context, device=CUDA)[:INDEX_TOPK] for _ in range(batch)]).to(torch.int32)
@@ -173,6 +176,25 @@ def decode_chain(num_layers: int, batch: int, context: int, experts):
     return step
 
 
+def sweep_sparse_mla(experts, emit) -> None:
+    from kernels import sparse_mla
+
+    emit()
+    emit("sparse-MLA tiles (batch 32, context 8192, PDL on): BLOCK_H, BLOCK_K, warps -> us")
+    saved = (sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS)
+    name, fn, nbytes = [c for c in kernel_cases(32, 8192, experts) if c[0].startswith("sparse")][0]
+    for block_h, block_k, warps in ((32, 32, 8), (16, 32, 4), (16, 64, 4), (32, 64, 8),
+                                    (64, 32, 8), (64, 16, 8)):
+        sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS = (
+            block_h, block_k, warps)
+        try:
+            us = graph_time_us(fn)
+            emit(f"- {block_h}, {block_k}, {warps}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
+        except Exception as error:
+            emit(f"- {block_h}, {block_k}, {warps}: failed ({type(error).__name__})")
+    sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS = saved
+
+
 def eager_time_us(fn, iters: int = 5) -> float:
     fn()
     torch.cuda.synchronize()
@@ -189,6 +211,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="also write the Markdown here")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--commit", default=None, help="git commit (the device copy has no .git)")
+    parser.add_argument("--sweep-mla", action="store_true", help="time sparse-MLA tile configs")
     args = parser.parse_args()
     torch.manual_seed(0)
     lines = []
@@ -197,7 +221,7 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
     import triton
 
@@ -217,12 +241,19 @@ def main() -> None:
                 if context != CONTEXTS[-1] and not name.startswith(("indexer logits", "sparse")):
                     continue  # context-independent: report once
                 times = {}
-                for pdl in (False, True):
-                    with_pdl(pdl)
-                    times[pdl] = graph_time_us(fn)
+                try:
+                    for pdl in (False, True):
+                        with_pdl(pdl)
+                        times[pdl] = graph_time_us(fn)
+                except Exception as error:  # keep the rest of the table
+                    emit(f"| {name} | {batch} | {context} | failed: {type(error).__name__}: "
+                         f"{str(error)[:120]} |")
+                    continue
                 gbs = nbytes / times[True] / 1e3
                 emit(f"| {name} | {batch} | {context} | {nbytes / 1e6:.2f} | {times[False]:.1f} "
                      f"| {times[True]:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% |")
+    if args.sweep_mla:
+        sweep_sparse_mla((w13, w2), emit)
     emit()
     emit(f"Decode-step chain, {args.layers} layers of these kernels (8 launches+ per layer):")
     emit("| batch | context | twins eager (us) | graph, PDL off (us) | graph, PDL on (us) | PDL saves |")

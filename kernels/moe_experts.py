@@ -70,8 +70,7 @@ def grouped_layout(
     local = torch.where((local >= 0) & (local < num_local_experts), local, num_local_experts)
     counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, local, torch.ones_like(local))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_local_experts] = 0
+    padded = (counts[:num_local_experts] + block_m - 1) // block_m * block_m  # [E]
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
     order = torch.argsort(local, stable=True)  # [num_pairs] pair indices by expert
@@ -80,8 +79,9 @@ def grouped_layout(
     # An upper bound on the padded rows that needs no host sync.
     num_rows = triton.cdiv(num_pairs + min(num_local_experts, num_pairs) * (block_m - 1),
                            block_m) * block_m
-    dest = torch.where(sorted_local < num_local_experts, padded_start[sorted_local] + rank,
-                       num_rows)
+    held = sorted_local < num_local_experts
+    start = padded_start[sorted_local.clamp(max=num_local_experts - 1)]
+    dest = torch.where(held, start + rank, num_rows)
     sorted_pairs = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=device)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
     block_starts = torch.arange(0, num_rows, block_m, device=device)

@@ -51,6 +51,7 @@ def sparse_mla_attention_reference(
 _MLA_BLOCK_K = 32  # keys per step: a [32, 512] bf16 tile is 32 KiB
 _MLA_BLOCK_H = 32  # heads per program: the [32, 512] fp32 accumulator over 8 warps
 _MLA_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
+_MLA_NUM_WARPS = 8
 
 
 @triton.jit
@@ -211,7 +212,8 @@ def sparse_mla_attention_triton(
            keys_per_split, softmax_scale, NUM_HEADS=num_heads, KV_LORA_RANK=kv_lora_rank,
            ROPE_DIM=rope_dim, BLOCK_SIZE_TOKENS=kv_cache.shape[1], BLOCK_H=block_h,
            BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-           BLOCK_K=_MLA_BLOCK_K, UPCAST_DOT=dot_in_fp32(q.dtype), num_warps=8, num_stages=2)
+           BLOCK_K=_MLA_BLOCK_K, UPCAST_DOT=dot_in_fp32(q.dtype), num_warps=_MLA_NUM_WARPS,
+           num_stages=2)
     launch(_sparse_mla_merge_kernel, (num_tokens, num_heads), q, partial_out, partial_max,
            partial_sum, out, out.stride(0), out.stride(1), num_splits, NUM_HEADS=num_heads,
            KV_LORA_RANK=kv_lora_rank, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
