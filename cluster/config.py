@@ -26,12 +26,24 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     step_timeout_s: float = 120.0  # a step that takes longer is a dead worker
     cpu_threads: int | None = None  # torch intra-op threads per worker; None: half the cores
+    # Only TP rank 0 runs the indexers and broadcasts top-k over the TP group (None: on when
+    # tp_size > 1). Off: every rank runs the indexer on its own copy of the inputs.
+    topk_broadcast: bool | None = None
+    # Ray placement group strategy for the ranks (STRICT_PACK: one node; STRICT_SPREAD: one
+    # rank per node). Ignored inside a Serve replica that has its own placement group.
+    placement_strategy: str = "STRICT_PACK"
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
         if self.num_draft_tokens < 0:
             raise ValueError("num_draft_tokens must be >= 0")
+
+    @property
+    def topk_src_rank(self) -> int | None:
+        """The TP rank that computes top-k for all (None: each rank computes its own)."""
+        on = self.tp_size > 1 if self.topk_broadcast is None else self.topk_broadcast
+        return 0 if on and self.tp_size > 1 else None
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:

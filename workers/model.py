@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from parallel.collectives import tp_all_reduce
+from parallel.collectives import tp_all_reduce, tp_compute_on_one_rank
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import (
     ColumnParallelLinear,
@@ -102,8 +102,20 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, INDEXER_NORM_EPS, dtype)
         # fp32, as DeepSeek and transformers keep it: the head weights decide near-ties.
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads, torch.float32)
+        # None: every TP rank runs the indexer on its own cache. r: only TP rank r runs it and
+        # broadcasts its top-k, so all ranks attend to one token set; the others skip the work
+        # (and never write their indexer-key cache: the choice holds for a worker's lifetime).
+        self.src_tp_rank: int | None = None
 
-    def forward(
+    def forward(self, x, q_latent, cos_sin, meta, k_cache) -> torch.Tensor:
+        if self.src_tp_rank is None:
+            return self.compute(x, q_latent, cos_sin, meta, k_cache)
+        return tp_compute_on_one_rank(
+            lambda: self.compute(x, q_latent, cos_sin, meta, k_cache),
+            (x.shape[0], self.topk), torch.int32, x.device, self.src_tp_rank,
+        )
+
+    def compute(
         self,
         x: torch.Tensor,  # [T, hidden], the attention input (after input_layernorm)
         q_latent: torch.Tensor,  # [T, q_lora_rank], after q_a_layernorm
@@ -366,6 +378,12 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     def bind_caches(self, kv_caches: list[torch.Tensor], index_caches: list[torch.Tensor]) -> None:
         self.kv_caches, self.index_caches = kv_caches, index_caches
+
+    def set_topk_source(self, src_tp_rank: int | None) -> None:
+        """Which TP rank runs the indexers (None: every rank); see Indexer.src_tp_rank."""
+        for module in self.modules():
+            if isinstance(module, Indexer):
+                module.src_tp_rank = src_tp_rank
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> hidden states after the final norm [T, hidden]."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.collectives import tp_broadcast
+from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
 from workers.kv_cache import allocate_kv_caches
@@ -129,8 +131,29 @@ class ModelRunner:
             results.append(SeqResult(s.request_id, tokens, accepted, [], logprobs))
 
         if self.has_mtp and step.num_draft_tokens > 0:
+            self._agree_on_samples(seqs, results)
             self._propose(step, seqs, states, tables, hidden, offsets, results)
         return StepOutput(results)
+
+    def _agree_on_samples(self, seqs: list[SeqWork], results: list[SeqResult]) -> None:
+        """Give every TP rank rank 0's sampled tokens before drafting from them.
+
+        Greedy picks agree already (every rank holds the same gathered logits); random draws do
+        not (each process has its own RNG stream), and the MTP layer's collectives need every
+        rank to draft from the same tokens.
+        """
+        state = get_parallel_state()
+        if state.tp_size == 1 or all(s.sampling.greedy for s in seqs):
+            return
+        width = max(s.num_draft_tokens for s in seqs) + 1
+        # [num_seqs, 2 + width]: number of tokens, drafts accepted, tokens (-1 padded)
+        packed = torch.full((len(seqs), 2 + width), -1, dtype=torch.long)
+        for i, r in enumerate(results):
+            packed[i, 0], packed[i, 1] = len(r.sampled_token_ids), r.num_accepted_drafts
+            packed[i, 2 : 2 + len(r.sampled_token_ids)] = torch.tensor(r.sampled_token_ids)
+        packed = tp_broadcast(packed.to(self.device)).cpu()
+        for r, row in zip(results, packed.tolist()):
+            r.sampled_token_ids, r.num_accepted_drafts = row[2 : 2 + row[0]], row[1]
 
     # --- MTP drafting ----------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ class Worker:
         self, model_dir: str, device: str = "auto", dtype: str = "auto",
         num_kv_blocks: int | None = None, block_size_tokens: int = 64,
         enable_mtp: bool = True, gpu_memory_utilization: float = 0.85, local_rank: int = 0,
-        cpu_threads: int | None = None,
+        cpu_threads: int | None = None, topk_src_rank: int | None = None,
     ):
         from workers.loader import load_model
 
@@ -50,6 +50,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.config = load_model(model_dir, self.dtype, self.device, enable_mtp)
+        self.model.set_topk_source(topk_src_rank)
         if num_kv_blocks is None:
             num_kv_blocks = self._kv_blocks_from_memory(block_size_tokens, gpu_memory_utilization)
         self.num_kv_blocks = num_kv_blocks

@@ -1,0 +1,186 @@
+"""The Ray executor: one WorkerActor per rank, in one placement group, driven SPMD.
+
+Start-up (each stage launched on every rank before any is awaited):
+  placement group -> actors -> rank 0 opens the rendezvous store -> every rank joins the
+  process group -> every rank loads its shard.
+Each step sends the same StepInput to every rank and returns rank 0's StepOutput. A rank that
+dies, raises, or hangs past `step_timeout_s` becomes a WorkerError; the engine then fails its
+requests and can be rebuilt (`shutdown` kills the actors and frees the placement group).
+
+Inside a Serve replica that has a placement group, the ranks go into that group (bundles 1..N
+when the replica reserved one per rank after its own), so they start and die with the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from cluster.config import EngineConfig
+from cluster.executor import Executor, WorkerError
+from workers.batch import StepInput, StepOutput
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0  # placement, actor start, rendezvous, and loading the shard
+HEALTH_TIMEOUT_S = 10.0
+
+
+def ensure_ray(config: EngineConfig) -> None:
+    """Start a local Ray if this process is not connected to one yet."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # The ranks plus room for the coordinator; a GPU box reports its GPUs itself.
+    num_cpus = max(os.cpu_count() or 1, int(config.tp_size * config.actor_num_cpus) + 1)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    logger.info("started a local Ray with %d CPUs", num_cpus)
+
+
+def _wants_gpu(config: EngineConfig) -> bool:
+    if config.device == "cpu":
+        return False
+    if config.device == "cuda":
+        return True
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from workers.worker_actor import WorkerActor, WorkerSpec
+
+        ensure_ray(config)
+        self.config = config
+        self.workers: list = []
+        self._owned_pg = None
+        num_gpus = 1 if _wants_gpu(config) else 0
+        device = config.device if config.device != "auto" else ("cuda" if num_gpus else "cpu")
+        pg, first_bundle = self._placement_group(ray, placement_group, num_gpus)
+        spec = WorkerSpec(
+            model=config.model, tp_size=config.tp_size, ep_size=config.ep_size, device=device,
+            dtype=config.dtype, num_kv_blocks=config.num_kv_blocks,
+            block_size_tokens=config.block_size_tokens,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            cpu_threads=config.cpu_threads, topk_src_rank=config.topk_src_rank,
+            collective_timeout_s=config.step_timeout_s,
+        )
+        actor_cls = ray.remote(WorkerActor)
+        try:
+            for rank in range(config.tp_size):
+                bundle = first_bundle + rank if first_bundle is not None else -1
+                self.workers.append(actor_cls.options(
+                    num_cpus=config.actor_num_cpus, num_gpus=num_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=bundle,
+                        placement_group_capture_child_tasks=True,
+                    ),
+                    max_restarts=0, max_concurrency=2,  # ping while a step runs
+                ).remote(rank, spec))
+            address = self._get(self.workers[0].open_store.remote(), STARTUP_TIMEOUT_S)
+            # All at once: init_process_group returns only when every rank has joined.
+            self._get_all([w.init_distributed.remote(address) for w in self.workers],
+                          STARTUP_TIMEOUT_S)
+            loaded = self._get_all([w.load.remote() for w in self.workers], STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        # Every rank holds every block's slots (the latent cache is replicated across TP ranks):
+        # the engine may use only what the smallest rank can hold.
+        self.num_kv_blocks = min(n for n, _ in loaded)
+        self.has_mtp = loaded[0][1]
+        src = config.topk_src_rank
+        logger.info("Ray executor: tp=%d ep=%d, %s, %d KV blocks, top-k from %s", config.tp_size,
+                    config.ep_size, device, self.num_kv_blocks,
+                    "every rank" if src is None else f"rank {src}")
+
+    def _placement_group(self, ray, placement_group, num_gpus: int):
+        """-> (placement group, bundle index of rank 0 or None for "any bundle")."""
+        current = ray.util.get_current_placement_group()
+        if current is not None:
+            # A Serve replica's group: bundle 0 is the replica; one bundle per rank after it.
+            per_rank = len(current.bundle_specs) >= self.config.tp_size + 1
+            return current, (1 if per_rank else None)
+        bundle = {"CPU": self.config.actor_num_cpus}
+        if num_gpus:
+            bundle["GPU"] = num_gpus
+        pg = placement_group([dict(bundle) for _ in range(self.config.tp_size)],
+                             strategy=self.config.placement_strategy)
+        self._owned_pg = pg
+        try:
+            ray.get(pg.ready(), timeout=STARTUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerError(
+                f"placement group {[bundle] * self.config.tp_size} "
+                f"({self.config.placement_strategy}) not placeable within {STARTUP_TIMEOUT_S}s; "
+                f"cluster resources: {ray.cluster_resources()}"
+            ) from None
+        return pg, 0
+
+    # --- waiting on ranks -----------------------------------------------------------------------
+
+    @staticmethod
+    def _get(ref, timeout_s: float):
+        return RayExecutor._get_all([ref], timeout_s)[0]
+
+    @staticmethod
+    def _get_all(refs: list, timeout_s: float) -> list:
+        """Results in rank order. Fails as soon as any rank fails (not when the last rank's
+        collective times out), or when the deadline passes."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(remaining, 0))
+            if not ready:
+                raise WorkerError(f"{len(pending)} rank(s) did not answer within {timeout_s:.0f}s")
+            try:
+                ray.get(ready)
+            except ray.exceptions.RayActorError as e:
+                raise WorkerError(f"a worker actor died: {e}") from e
+            except ray.exceptions.RayTaskError as e:
+                raise WorkerError(f"a worker raised: {e}") from e
+        return ray.get(refs)
+
+    # --- the Executor interface -----------------------------------------------------------------
+
+    def execute(self, step: StepInput) -> StepOutput:
+        if not self.workers:
+            raise WorkerError("the executor is shut down")
+        import ray
+
+        step_ref = ray.put(step)  # serialized once, read by every rank
+        refs = [w.execute.remote(step_ref) for w in self.workers]
+        return self._get_all(refs, self.config.step_timeout_s)[0]
+
+    def check_health(self) -> None:
+        if not self.workers:
+            raise WorkerError("the executor is shut down")
+        self._get_all([w.ping.remote() for w in self.workers], HEALTH_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        import ray
+
+        # Killing (not a graceful call): a rank may be stuck in a collective with a dead peer.
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                logger.debug("killing a worker actor", exc_info=True)
+        self.workers = []
+        if self._owned_pg is not None:
+            try:
+                ray.util.remove_placement_group(self._owned_pg)
+            except Exception:
+                logger.debug("removing the placement group", exc_info=True)
+            self._owned_pg = None

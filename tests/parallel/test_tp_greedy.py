@@ -1,0 +1,69 @@
+"""TP=2 and TP=2/EP=2 with MTP, over gloo among Ray actors, give TP=1's greedy tokens.
+
+Also checks where the top-k comes from: with the broadcast on, rank 1 never runs an indexer (its
+indexer-key caches stay zero); off, every rank runs its own.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.parallel.conftest import STEP_TIMEOUT_S, greedy_params
+
+pytestmark = pytest.mark.timeout(240)
+
+LAYOUTS = [
+    # tp, ep, num_draft_tokens, share_topk, topk_broadcast (None: on at TP > 1)
+    pytest.param(2, 1, 2, False, None, id="tp2-mtp2"),
+    pytest.param(2, 1, 2, True, None, id="tp2-mtp2-share"),
+    pytest.param(2, 2, 2, True, None, id="tp2-ep2-mtp2-share"),
+    pytest.param(2, 2, 2, False, False, id="tp2-ep2-mtp2-every-rank-indexer"),
+]
+
+
+def _indexer_cache_abs_sum(actor) -> float:
+    return float(sum(c.abs().sum() for c in actor.worker.model.index_caches))
+
+
+@pytest.mark.parametrize("tp, ep, k, share_topk, topk_broadcast", LAYOUTS)
+def test_tp_greedy_matches_tp1(ray_local, tiny_model_dir, prompts, tp1_tokens, tp, ep, k,
+                               share_topk, topk_broadcast):
+    from cluster.llm import LLM
+
+    ray = ray_local
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    llm = LLM(tiny_model_dir, tp_size=tp, ep_size=ep, num_draft_tokens=k, share_topk=share_topk,
+              topk_broadcast=topk_broadcast, dtype="float32", actor_num_cpus=0.5,
+              step_timeout_s=STEP_TIMEOUT_S)
+    try:
+        outs = llm.generate(prompts, greedy_params())
+        assert [o.token_ids for o in outs] == tp1_tokens
+        assert all(o.spec.num_rounds > 0 for o in outs)
+        stats = llm.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+
+        workers = llm.engine.executor.workers
+        cache_sums = ray.get([w.run.remote(_indexer_cache_abs_sum) for w in workers], timeout=60)
+        assert cache_sums[0] > 0
+        if topk_broadcast is False:
+            assert cache_sums[1] > 0
+        else:
+            assert cache_sums[1] == 0  # rank 1 skipped every indexer: no key was ever written
+    finally:
+        llm.engine.shutdown()
+
+
+def test_auto_executor_picks_ray_for_tp2(ray_local, tiny_model_dir, prompts, tp1_tokens):
+    from cluster.llm import LLM
+    from cluster.ray_executor import RayExecutor
+
+    llm = LLM(tiny_model_dir, tp_size=2, dtype="float32", actor_num_cpus=0.5,
+              step_timeout_s=STEP_TIMEOUT_S)
+    try:
+        assert isinstance(llm.engine.executor, RayExecutor)
+        outs = llm.generate(prompts[:2], greedy_params())
+        assert [o.token_ids for o in outs] == tp1_tokens[:2]
+    finally:
+        llm.engine.shutdown()
