@@ -50,7 +50,7 @@ def indexer_topk_reference(
 
 # --- Triton ---------------------------------------------------------------------------------------
 #
-# A Triton logits kernel, then torch.topk over the logits row. The logits buffer spans every
+# A Triton logits kernel, then torch's sort (or topk) over the logits row. The logits buffer spans every
 # position the block table can address (no host sync, so it is CUDA-graph capturable); keys past
 # a token's position get -inf and their picks are replaced by -1, which reproduces the twin's
 # k = min(topk, positions + 1). A Triton top-k (radix select over 2048 of up to 128k logits) is
@@ -59,6 +59,10 @@ def indexer_topk_reference(
 # Keys per program. 32 keys x 128 dims of bf16 is 8 KiB a program: enough programs at batch 1
 # and 8k context (256) to cover the H200's 132 SMs twice.
 _INDEXER_BLOCK_S = 32
+# Up to this many positions a full descending sort beats torch.topk(2048) on the H200
+# (logits + select, CUDA graph, commit 754cbe5): 23 vs 38 us at batch 1 x 1k positions,
+# 51 vs 74 us at batch 1 x 8k, 80 vs 82 at batch 8 x 8k, 128 vs 126 at batch 32 x 8k.
+_SORT_MAX_POSITIONS = 16384
 
 
 @triton.jit
@@ -152,12 +156,15 @@ def indexer_topk_triton(
     topk: int,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Triton-logits twin of `indexer_topk_reference` (top-k itself by torch.topk)."""
+    """Triton-logits twin of `indexer_topk_reference` (selection by torch.sort / torch.topk)."""
     logits = indexer_logits_triton(q, weights, k_cache, block_tables, seq_idx, positions,
                                    softmax_scale)
     num_tokens, num_positions = logits.shape
     k = min(topk, num_positions)
-    idx = logits.topk(k, dim=-1).indices.to(torch.int32)  # [T, k], best first
+    if num_positions <= _SORT_MAX_POSITIONS:
+        idx = logits.sort(dim=-1, descending=True).indices[:, :k].to(torch.int32)
+    else:
+        idx = logits.topk(k, dim=-1).indices.to(torch.int32)  # [T, k], best first
     rank = torch.arange(k, device=q.device)
     idx = idx.masked_fill(rank[None, :] > positions[:, None], -1)
     if k < topk:

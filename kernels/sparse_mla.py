@@ -48,8 +48,11 @@ def sparse_mla_attention_reference(
 # decode enough programs to fill the GPU; heads share each key tile through registers, so a key
 # is read from HBM once per BLOCK_H heads (and from L2 for the other head blocks).
 
-_MLA_BLOCK_K = 32  # keys per step: a [32, 512] bf16 tile is 32 KiB
-_MLA_BLOCK_H = 32  # heads per program: the [32, 512] fp32 accumulator over 8 warps
+# Tiles measured on the H200 (batch 32, context 8192, 128 heads, top-2048; bench_kernels.py
+# --sweep-mla, commit 754cbe5): (BLOCK_H, BLOCK_K, warps) (64, 32, 8) 143 us, (32, 64, 8) 163,
+# (16, 32, 4) 190, (64, 16, 8) 212, (16, 64, 4) 245, (32, 32, 8) 252.
+_MLA_BLOCK_K = 32  # keys per step
+_MLA_BLOCK_H = 64  # heads per program: a key tile feeds 64 heads' MMAs
 _MLA_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _MLA_NUM_WARPS = 8
 
