@@ -25,6 +25,7 @@ class EngineConfig:
     actor_num_cpus: float = 1.0  # CPU request of each Ray actor (fractions allowed)
     gpu_memory_utilization: float = 0.85
     step_timeout_s: float = 120.0  # a step that takes longer is a dead worker
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     cpu_threads: int | None = None  # torch intra-op threads per worker; None: half the cores
     # Only TP rank 0 runs the indexers and broadcasts top-k over the TP group (None: on when
     # tp_size > 1). Off: every rank runs the indexer on its own copy of the inputs.
@@ -52,6 +53,10 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine options: {sorted(unknown)}")
         return cls(**d)
+
+    @property
+    def cuda_graph_max_batch(self) -> int:
+        return 0 if self.enforce_eager else self.max_num_seqs
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

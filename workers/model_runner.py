@@ -36,7 +36,7 @@ class _SeqState:
 class ModelRunner:
     def __init__(
         self, model, num_blocks: int, block_size_tokens: int, device: torch.device,
-        broadcast_tokens=None,
+        cuda_graph_max_batch: int = 0, max_model_len: int = 8192,
     ):
         self.model = model
         self.config = model.config
@@ -50,6 +50,13 @@ class ModelRunner:
         model.bind_caches(kv, idx)
         self.states: dict[str, _SeqState] = {}
         self.topk_share = DraftTopkShare()
+        self.graphs = None
+        if device.type == "cuda" and cuda_graph_max_batch > 0:
+            from workers.cuda_graph import DecodeGraphs
+
+            # Room for the verify's drafts and the draft steps' lookahead past max_model_len.
+            max_blocks = -(-(max_model_len + 16) // block_size_tokens)
+            self.graphs = DecodeGraphs(model, cuda_graph_max_batch, max_blocks, device)
 
     @property
     def has_mtp(self) -> bool:
@@ -102,8 +109,7 @@ class ModelRunner:
         tables = self._block_tables(seqs)
         rows = [(i, s.start_position + j) for i, s in enumerate(seqs) for j in range(len(s.token_ids))]
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
-        hidden = self.model(input_ids, self._metadata(rows, tables))  # [T, hidden]
-
+        meta = self._metadata(rows, tables)
         # Rows whose logits are needed: a verify's 1 + k positions, a final chunk's last one.
         offsets, logit_rows = [], []
         start = 0
@@ -113,7 +119,12 @@ class ModelRunner:
                 logit_rows.extend(range(start + len(s.token_ids) - 1 - s.num_draft_tokens,
                                         start + len(s.token_ids)))
             start += len(s.token_ids)
-        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        if self._graphable(seqs):
+            hidden, logits = self.graphs.run(input_ids, meta.positions, meta.slot_mapping, tables,
+                                             len(seqs[0].token_ids))
+        else:
+            hidden = self.model(input_ids, meta)  # [T, hidden]
+            logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
 
         results, cursor = [], 0
         for s, state in zip(seqs, states):
@@ -154,6 +165,14 @@ class ModelRunner:
         packed = tp_broadcast(packed.to(self.device)).cpu()
         for r, row in zip(results, packed.tolist()):
             r.sampled_token_ids, r.num_accepted_drafts = row[2 : 2 + row[0]], row[1]
+
+    def _graphable(self, seqs: list[SeqWork]) -> bool:
+        """Decode steps replay a CUDA graph: every sequence samples every one of its tokens'
+        logits (1 + drafts), all with the same token count, within the largest bucket."""
+        if self.graphs is None or len(seqs) > self.graphs.max_batch:
+            return False
+        q = len(seqs[0].token_ids)
+        return all(s.samples and len(s.token_ids) == q == 1 + s.num_draft_tokens for s in seqs)
 
     # --- MTP drafting ----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ class Worker:
         num_kv_blocks: int | None = None, block_size_tokens: int = 64,
         enable_mtp: bool = True, gpu_memory_utilization: float = 0.85, local_rank: int = 0,
         cpu_threads: int | None = None, topk_src_rank: int | None = None,
+        cuda_graph_max_batch: int = 0, max_model_len: int = 8192,
     ):
         from workers.loader import load_model
 
@@ -54,7 +55,8 @@ class Worker:
         if num_kv_blocks is None:
             num_kv_blocks = self._kv_blocks_from_memory(block_size_tokens, gpu_memory_utilization)
         self.num_kv_blocks = num_kv_blocks
-        self.runner = ModelRunner(self.model, num_kv_blocks, block_size_tokens, self.device)
+        self.runner = ModelRunner(self.model, num_kv_blocks, block_size_tokens, self.device,
+                                  cuda_graph_max_batch, max_model_len)
 
     @property
     def has_mtp(self) -> bool:
