@@ -108,35 +108,97 @@ def kernel_cases(batch: int, context: int, experts):
     cases = []
     x = torch.randn(batch, HIDDEN, dtype=BF16, device=CUDA)
     w = torch.randn(HIDDEN, dtype=BF16, device=CUDA)
-    cases.append(("rms_norm [B, 7168]", lambda: rms_norm_triton(x, w, 1e-6), 2 * (2 * x.numel() + HIDDEN)))
+    cases.append(
+        ("rms_norm [B, 7168]", lambda: rms_norm_triton(x, w, 1e-6), 2 * (2 * x.numel() + HIDDEN))
+    )
     gu = torch.randn(batch * TOP_K, 2 * MOE_INTER, dtype=BF16, device=CUDA)
-    cases.append(("silu_and_mul [8B, 2x2048]", lambda: silu_and_mul_triton(gu), 2 * gu.numel() * 3 // 2))
+    cases.append(
+        ("silu_and_mul [8B, 2x2048]", lambda: silu_and_mul_triton(gu), 2 * gu.numel() * 3 // 2)
+    )
     kv_cache, tables = paged(batch, context, KV_LORA + ROPE)
     kv_a = torch.randn(batch, KV_LORA + ROPE, dtype=BF16, device=CUDA)
     kv_w = torch.randn(KV_LORA, dtype=BF16, device=CUDA)
-    cases.append(("mla_kv_cache_write", lambda: mla_kv_cache_write_triton(kv_a, kv_w, 1e-6, cos, sin, kv_cache, slots), 2 * 3 * kv_a.numel()))
+    cases.append(
+        (
+            "mla_kv_cache_write",
+            lambda: mla_kv_cache_write_triton(kv_a, kv_w, 1e-6, cos, sin, kv_cache, slots),
+            2 * 3 * kv_a.numel(),
+        )
+    )
     k_cache, _ = paged(batch, context, INDEX_DIM)
     k = torch.randn(batch, INDEX_DIM, dtype=BF16, device=CUDA)
-    ln_w, ln_b = torch.ones(INDEX_DIM, dtype=BF16, device=CUDA), torch.zeros(INDEX_DIM, dtype=BF16, device=CUDA)
-    cases.append(("indexer_k_cache_write", lambda: indexer_k_cache_write_triton(k, ln_w, ln_b, 1e-6, cos, sin, k_cache, slots), 2 * 3 * k.numel()))
+    ln_w, ln_b = (
+        torch.ones(INDEX_DIM, dtype=BF16, device=CUDA),
+        torch.zeros(INDEX_DIM, dtype=BF16, device=CUDA),
+    )
+    cases.append(
+        (
+            "indexer_k_cache_write",
+            lambda: indexer_k_cache_write_triton(k, ln_w, ln_b, 1e-6, cos, sin, k_cache, slots),
+            2 * 3 * k.numel(),
+        )
+    )
     qi = torch.randn(batch, INDEX_HEADS, INDEX_DIM, dtype=BF16, device=CUDA)
     wi = torch.rand(batch, INDEX_HEADS, dtype=BF16, device=CUDA)
     idx_bytes = batch * (context * INDEX_DIM * 2 + qi[0].numel() * 2 + context * 4)
-    cases.append(("indexer logits", lambda: indexer_logits_triton(qi, wi, k_cache, tables, seq_idx, positions, INDEX_DIM**-0.5), idx_bytes))
-    cases.append(("indexer_topk (logits + torch.sort)", lambda: indexer_topk_triton(qi, wi, k_cache, tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5), idx_bytes))
+    cases.append(
+        (
+            "indexer logits",
+            lambda: indexer_logits_triton(
+                qi, wi, k_cache, tables, seq_idx, positions, INDEX_DIM**-0.5
+            ),
+            idx_bytes,
+        )
+    )
+    cases.append(
+        (
+            "indexer_topk (logits + torch.sort)",
+            lambda: indexer_topk_triton(
+                qi, wi, k_cache, tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5
+            ),
+            idx_bytes,
+        )
+    )
     q = torch.randn(batch, NUM_HEADS, KV_LORA + ROPE, dtype=BF16, device=CUDA)
-    topk = torch.stack([torch.randperm(context, device=CUDA)[:INDEX_TOPK] for _ in range(batch)]).to(torch.int32)
+    topk = torch.stack(
+        [torch.randperm(context, device=CUDA)[:INDEX_TOPK] for _ in range(batch)]
+    ).to(torch.int32)
     num_keys = min(INDEX_TOPK, context)
-    mla_bytes = batch * (num_keys * (KV_LORA + ROPE) * 2 + q[0].numel() * 2 + NUM_HEADS * KV_LORA * 2 + INDEX_TOPK * 4)
+    mla_bytes = batch * (
+        num_keys * (KV_LORA + ROPE) * 2
+        + q[0].numel() * 2
+        + NUM_HEADS * KV_LORA * 2
+        + INDEX_TOPK * 4
+    )
     mla_gflop = batch * NUM_HEADS * num_keys * ((KV_LORA + ROPE) + KV_LORA) * 2 / 1e9
-    cases.append((f"sparse_mla_attention (top-2048, {mla_gflop:.1f} GFLOP)", lambda: sparse_mla_attention_triton(q, kv_cache, tables, seq_idx, topk, 192**-0.5, KV_LORA), mla_bytes))
+    cases.append(
+        (
+            f"sparse_mla_attention (top-2048, {mla_gflop:.1f} GFLOP)",
+            lambda: sparse_mla_attention_triton(
+                q, kv_cache, tables, seq_idx, topk, 192**-0.5, KV_LORA
+            ),
+            mla_bytes,
+        )
+    )
     logits = torch.randn(batch, NUM_EXPERTS, device=CUDA)
     bias = torch.randn(NUM_EXPERTS, device=CUDA) * 0.1
-    cases.append(("moe_route (256 -> 8)", lambda: moe_route_triton(logits, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5), logits.numel() * 4 + batch * TOP_K * 8))
+    cases.append(
+        (
+            "moe_route (256 -> 8)",
+            lambda: moe_route_triton(logits, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5),
+            logits.numel() * 4 + batch * TOP_K * 8,
+        )
+    )
     weights, ids = moe_route_triton(logits, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5)
     num_active = int(ids.unique().numel())
     moe_bytes = num_active * 3 * MOE_INTER * HIDDEN * 2 + 2 * x.numel() * 2
-    cases.append((f"grouped_moe ({num_active} experts)", lambda: grouped_moe_triton(x, w13, w2, weights, ids), moe_bytes))
+    cases.append(
+        (
+            f"grouped_moe ({num_active} experts)",
+            lambda: grouped_moe_triton(x, w13, w2, weights, ids),
+            moe_bytes,
+        )
+    )
     return cases
 
 
@@ -156,7 +218,10 @@ def decode_chain(num_layers: int, batch: int, context: int, experts):
     kv_a = torch.randn(batch, KV_LORA + ROPE, dtype=BF16, device=CUDA)
     kv_w = torch.randn(KV_LORA, dtype=BF16, device=CUDA)
     k = torch.randn(batch, INDEX_DIM, dtype=BF16, device=CUDA)
-    ln_w, ln_b = torch.ones(INDEX_DIM, dtype=BF16, device=CUDA), torch.zeros(INDEX_DIM, dtype=BF16, device=CUDA)
+    ln_w, ln_b = (
+        torch.ones(INDEX_DIM, dtype=BF16, device=CUDA),
+        torch.zeros(INDEX_DIM, dtype=BF16, device=CUDA),
+    )
     qi = torch.randn(batch, INDEX_HEADS, INDEX_DIM, dtype=BF16, device=CUDA)
     wi = torch.rand(batch, INDEX_HEADS, dtype=BF16, device=CUDA)
     q = torch.randn(batch, NUM_HEADS, KV_LORA + ROPE, dtype=BF16, device=CUDA)
@@ -171,7 +236,9 @@ def decode_chain(num_layers: int, batch: int, context: int, experts):
             normed = ops.rms_norm(hidden, norm_w, 1e-6)
             ops.mla_kv_cache_write(kv_a, kv_w, 1e-6, cos, sin, kv_cache, slots)
             ops.indexer_k_cache_write(k, ln_w, ln_b, 1e-6, cos, sin, k_cache, slots)
-            topk = ops.indexer_topk(qi, wi, k_cache, tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5)
+            topk = ops.indexer_topk(
+                qi, wi, k_cache, tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5
+            )
             ops.sparse_mla_attention(q, kv_cache, tables, seq_idx, topk, 192**-0.5, KV_LORA)
             ops.rms_norm(hidden, norm_w, 1e-6)
             weights, ids = ops.moe_route(router, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5)
@@ -188,10 +255,19 @@ def sweep_sparse_mla(experts, emit) -> None:
     emit("sparse-MLA tiles (batch 32, context 8192, PDL on): BLOCK_H, BLOCK_K, warps -> us")
     saved = (sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS)
     name, fn, nbytes = [c for c in kernel_cases(32, 8192, experts) if c[0].startswith("sparse")][0]
-    for block_h, block_k, warps in ((32, 32, 8), (16, 32, 4), (16, 64, 4), (32, 64, 8),
-                                    (64, 32, 8), (64, 16, 8)):
+    for block_h, block_k, warps in (
+        (32, 32, 8),
+        (16, 32, 4),
+        (16, 64, 4),
+        (32, 64, 8),
+        (64, 32, 8),
+        (64, 16, 8),
+    ):
         sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS = (
-            block_h, block_k, warps)
+            block_h,
+            block_k,
+            warps,
+        )
         try:
             us = graph_time_us(fn)
             emit(f"- {block_h}, {block_k}, {warps}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
@@ -226,12 +302,19 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
     import triton
 
-    emit(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-         f"{triton.__version__}; date {datetime.date.today()}; commit {commit}")
+    emit(
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+        f"{triton.__version__}; date {datetime.date.today()}; commit {commit}"
+    )
     emit(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
     copy = copy_bandwidth_gbs()
     emit(f"measured copy bandwidth (2 GiB D2D, read + write): {copy:.0f} GB/s")
@@ -240,12 +323,17 @@ def main() -> None:
     w2 = torch.randn(NUM_EXPERTS, HIDDEN, MOE_INTER, dtype=BF16, device=CUDA) * 0.02
     emit("bf16 MMA rate for compute-bound rows: 8192^3 matmul " + f"{mma_tflops():.0f} TFLOP/s")
     emit()
-    emit("| kernel | batch | context | MB moved | us (PDL off) | us (PDL on) | GB/s (on) | % of copy |")
+    emit(
+        "| kernel | batch | context | MB moved | us (PDL off) | us (PDL on) | GB/s (on) "
+        "| % of copy |"
+    )
     emit("|---|---|---|---|---|---|---|---|")
     for context in CONTEXTS:
         for batch in BATCHES:
             for name, fn, nbytes in kernel_cases(batch, context, (w13, w2)):
-                if context != CONTEXTS[-1] and not name.startswith(("indexer", "sparse")):
+                if context != CONTEXTS[-1] and not name.startswith(
+                    ("indexer logits", "indexer_topk", "sparse")
+                ):
                     continue  # context-independent: report once
                 times = {}
                 try:
@@ -253,17 +341,24 @@ def main() -> None:
                         with_pdl(pdl)
                         times[pdl] = graph_time_us(fn)
                 except Exception as error:  # keep the rest of the table
-                    emit(f"| {name} | {batch} | {context} | failed: {type(error).__name__}: "
-                         f"{str(error)[:120]} |")
+                    emit(
+                        f"| {name} | {batch} | {context} | failed: {type(error).__name__}: "
+                        f"{str(error)[:120]} |"
+                    )
                     continue
                 gbs = nbytes / times[True] / 1e3
-                emit(f"| {name} | {batch} | {context} | {nbytes / 1e6:.2f} | {times[False]:.1f} "
-                     f"| {times[True]:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% |")
+                emit(
+                    f"| {name} | {batch} | {context} | {nbytes / 1e6:.2f} | {times[False]:.1f} "
+                    f"| {times[True]:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% |"
+                )
     if args.sweep_mla:
         sweep_sparse_mla((w13, w2), emit)
     emit()
     emit(f"Decode-step chain, {args.layers} layers of these kernels (8 launches+ per layer):")
-    emit("| batch | context | twins eager (us) | graph, PDL off (us) | graph, PDL on (us) | PDL saves |")
+    emit(
+        "| batch | context | twins eager (us) | graph, PDL off (us) | graph, PDL on (us) "
+        "| PDL saves |"
+    )
     emit("|---|---|---|---|---|---|")
     for batch, context in ((1, 8192), (8, 8192), (32, 8192)):
         step = decode_chain(args.layers, batch, context, (w13, w2))
@@ -274,8 +369,10 @@ def main() -> None:
         for pdl in (False, True):
             with_pdl(pdl)
             times[pdl] = graph_time_us(step, repeats=2, replays=10)
-        emit(f"| {batch} | {context} | {twins:.0f} | {times[False]:.0f} | {times[True]:.0f} | "
-             f"{100 * (1 - times[True] / times[False]):.1f}% |")
+        emit(
+            f"| {batch} | {context} | {twins:.0f} | {times[False]:.0f} | {times[True]:.0f} | "
+            f"{100 * (1 - times[True] / times[False]):.1f}% |"
+        )
     with_pdl(True)
     if args.out:
         with open(args.out, "w") as f:

@@ -25,8 +25,13 @@ _SILU_BLOCK = 1024
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, x_row_stride, out_row_stride, width,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    x_row_stride,
+    out_row_stride,
+    width,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -56,6 +61,16 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2d.shape[0], width, dtype=x.dtype, device=x.device)
     if x2d.shape[0] > 0 and width > 0:
         grid = (x2d.shape[0], triton.cdiv(width, _SILU_BLOCK))
-        launch(_silu_and_mul_kernel, grid, x, x2d, out, x2d.stride(0), out.stride(0), width,
-               BLOCK=min(_SILU_BLOCK, triton.next_power_of_2(width)), num_warps=4)
+        launch(
+            _silu_and_mul_kernel,
+            grid,
+            x,
+            x2d,
+            out,
+            x2d.stride(0),
+            out.stride(0),
+            width,
+            BLOCK=min(_SILU_BLOCK, triton.next_power_of_2(width)),
+            num_warps=4,
+        )
     return out.view(*x.shape[:-1], width)

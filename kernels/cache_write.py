@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, launch
-
 from kernels.rmsnorm import rms_norm_reference
 from kernels.rope import rope_reference
 
@@ -80,10 +79,22 @@ def _rope_pair(x1, x2, cos, sin, ROUND_DTYPE: tl.constexpr):
 
 @triton.jit
 def _mla_kv_cache_write_kernel(
-    kv_a_ptr, weight_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, rows_ptr,
-    kv_a_row_stride, cos_row_stride, sin_row_stride, eps,
-    KV_LORA_RANK: tl.constexpr, ROPE_HALF: tl.constexpr, BLOCK_LATENT: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    kv_a_ptr,
+    weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    cache_ptr,
+    slot_ptr,
+    rows_ptr,
+    kv_a_row_stride,
+    cos_row_stride,
+    sin_row_stride,
+    eps,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
+    BLOCK_LATENT: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     width: tl.constexpr = KV_LORA_RANK + 2 * ROPE_HALF
@@ -119,13 +130,18 @@ def _mla_kv_cache_write_kernel(
         dst = cache_ptr + slot * width
         tl.store(dst + cols, normed.to(row_dtype).to(cache_dtype), mask=lat_mask)
         tl.store(dst + KV_LORA_RANK + half, re.to(row_dtype).to(cache_dtype), mask=half_mask)
-        tl.store(dst + KV_LORA_RANK + ROPE_HALF + half, im.to(row_dtype).to(cache_dtype),
-                 mask=half_mask)
+        tl.store(
+            dst + KV_LORA_RANK + ROPE_HALF + half, im.to(row_dtype).to(cache_dtype), mask=half_mask
+        )
 
 
 def _check_cache_args(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-    slot_mapping: torch.Tensor, width: int,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    width: int,
 ) -> None:
     num_tokens = x.shape[0]
     check_tensor("cos", cos, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
@@ -158,23 +174,56 @@ def mla_kv_cache_write_triton(
     if kv_a.shape[1] != width:
         raise ValueError(f"kv_a is {kv_a.shape[1]} wide, expected {kv_lora_rank} + {2 * rope_half}")
     _check_cache_args(kv_a, cos, sin, kv_cache, slot_mapping, width)
-    rows = torch.empty(kv_a.shape[0], width, device=kv_a.device,
-                       dtype=torch.promote_types(norm_weight.dtype, kv_a.dtype))
+    rows = torch.empty(
+        kv_a.shape[0],
+        width,
+        device=kv_a.device,
+        dtype=torch.promote_types(norm_weight.dtype, kv_a.dtype),
+    )
     if kv_a.shape[0] > 0:
-        launch(_mla_kv_cache_write_kernel, (kv_a.shape[0],), kv_a, kv_a, norm_weight, cos, sin,
-               kv_cache, slot_mapping, rows, kv_a.stride(0), cos.stride(0), sin.stride(0), eps,
-               KV_LORA_RANK=kv_lora_rank, ROPE_HALF=rope_half,
-               BLOCK_LATENT=triton.next_power_of_2(kv_lora_rank),
-               BLOCK_HALF=triton.next_power_of_2(rope_half), num_warps=4)
+        launch(
+            _mla_kv_cache_write_kernel,
+            (kv_a.shape[0],),
+            kv_a,
+            kv_a,
+            norm_weight,
+            cos,
+            sin,
+            kv_cache,
+            slot_mapping,
+            rows,
+            kv_a.stride(0),
+            cos.stride(0),
+            sin.stride(0),
+            eps,
+            KV_LORA_RANK=kv_lora_rank,
+            ROPE_HALF=rope_half,
+            BLOCK_LATENT=triton.next_power_of_2(kv_lora_rank),
+            BLOCK_HALF=triton.next_power_of_2(rope_half),
+            num_warps=4,
+        )
     return rows
 
 
 @triton.jit
 def _indexer_k_cache_write_kernel(
-    k_ptr, ln_weight_ptr, ln_bias_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, rows_ptr,
-    k_row_stride, cos_row_stride, sin_row_stride, eps,
-    HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    k_ptr,
+    ln_weight_ptr,
+    ln_bias_ptr,
+    cos_ptr,
+    sin_ptr,
+    cache_ptr,
+    slot_ptr,
+    rows_ptr,
+    k_row_stride,
+    cos_row_stride,
+    sin_row_stride,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -244,8 +293,26 @@ def indexer_k_cache_write_triton(
     _check_cache_args(k, cos, sin, k_cache, slot_mapping, head_dim)
     rows = torch.empty_like(k, memory_format=torch.contiguous_format)
     if k.shape[0] > 0:
-        launch(_indexer_k_cache_write_kernel, (k.shape[0],), k, k, ln_weight, ln_bias, cos, sin,
-               k_cache, slot_mapping, rows, k.stride(0), cos.stride(0), sin.stride(0), eps,
-               HEAD_DIM=head_dim, ROPE_HALF=rope_half, BLOCK_D=triton.next_power_of_2(head_dim),
-               BLOCK_HALF=triton.next_power_of_2(rope_half), num_warps=4)
+        launch(
+            _indexer_k_cache_write_kernel,
+            (k.shape[0],),
+            k,
+            k,
+            ln_weight,
+            ln_bias,
+            cos,
+            sin,
+            k_cache,
+            slot_mapping,
+            rows,
+            k.stride(0),
+            cos.stride(0),
+            sin.stride(0),
+            eps,
+            HEAD_DIM=head_dim,
+            ROPE_HALF=rope_half,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_HALF=triton.next_power_of_2(rope_half),
+            num_warps=4,
+        )
     return rows

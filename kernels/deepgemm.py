@@ -103,7 +103,11 @@ class DeepGemmBackend:
         self.symbol(CONTIGUOUS_GEMM)(a, b, out, m_indices)
 
     def grouped_gemm_masked(
-        self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, masked_m: torch.Tensor,
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        masked_m: torch.Tensor,
         expected_m: int,
     ) -> None:
         """out [G, max_m, N] = a [G, max_m, K] @ b[g].T for the first masked_m[g] rows of g."""

@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
-
 from kernels.paged import gather_positions
 
 
@@ -50,11 +49,12 @@ def indexer_topk_reference(
 
 # --- Triton ---------------------------------------------------------------------------------------
 #
-# A Triton logits kernel, then torch's sort (or topk) over the logits row. The logits buffer spans every
-# position the block table can address (no host sync, so it is CUDA-graph capturable); keys past
-# a token's position get -inf and their picks are replaced by -1, which reproduces the twin's
-# k = min(topk, positions + 1). A Triton top-k (radix select over 2048 of up to 128k logits) is
-# not written yet.
+# A Triton logits kernel, then torch's sort (or topk) over the logits row. The logits buffer
+# spans every position the block table can address (no host sync, so it is CUDA-graph
+# capturable); keys past a token's position get -inf and their picks are replaced by -1, which
+# reproduces the twin's k = min(topk, positions + 1). A Triton top-k (radix select of 2048 out
+# of up to 128k logits) is not written yet; the selection costs 3-10x the logits kernel
+# (BENCHMARKS.md).
 
 # Keys per program. 32 keys x 128 dims of bf16 is 8 KiB a program: enough programs at batch 1
 # and 8k context (256) to cover the H200's 132 SMs twice.
@@ -67,12 +67,27 @@ _SORT_MAX_POSITIONS = 16384
 
 @triton.jit
 def _indexer_logits_kernel(
-    q_ptr, weights_ptr, cache_ptr, block_tables_ptr, seq_idx_ptr, positions_ptr, logits_ptr,
-    q_token_stride, q_head_stride, weights_token_stride, block_tables_row_stride,
-    logits_row_stride, softmax_scale,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE_TOKENS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    q_ptr,
+    weights_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_idx_ptr,
+    positions_ptr,
+    logits_ptr,
+    q_token_stride,
+    q_head_stride,
+    weights_token_stride,
+    block_tables_row_stride,
+    logits_row_stride,
+    softmax_scale,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE_TOKENS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     keys = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] positions
@@ -84,17 +99,27 @@ def _indexer_logits_kernel(
     position = tl.load(positions_ptr + token)
     causal = keys <= position
     # [BLOCK_S] flat cache rows through the block table
-    blocks = tl.load(block_tables_ptr + seq * block_tables_row_stride + keys // BLOCK_SIZE_TOKENS,
-                     mask=causal, other=0).to(tl.int64)
+    blocks = tl.load(
+        block_tables_ptr + seq * block_tables_row_stride + keys // BLOCK_SIZE_TOKENS,
+        mask=causal,
+        other=0,
+    ).to(tl.int64)
     rows = blocks * BLOCK_SIZE_TOKENS + keys % BLOCK_SIZE_TOKENS
     dim_mask = dims < HEAD_DIM
-    k = tl.load(cache_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
-                mask=causal[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    k = tl.load(
+        cache_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
+        mask=causal[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
     head_mask = heads < NUM_HEADS
-    q = tl.load(q_ptr + token * q_token_stride + heads[:, None] * q_head_stride + dims[None, :],
-                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    w = tl.load(weights_ptr + token * weights_token_stride + heads, mask=head_mask,
-                other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + token * q_token_stride + heads[:, None] * q_head_stride + dims[None, :],
+        mask=head_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
+    w = tl.load(weights_ptr + token * weights_token_stride + heads, mask=head_mask, other=0.0).to(
+        tl.float32
+    )
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if UPCAST_DOT:
@@ -116,7 +141,7 @@ def indexer_logits_triton(
     positions: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """fp32 logits [T, padded positions] of every addressable key; -inf past each token's position."""
+    """fp32 logits [T, padded positions] of every addressable key; -inf past a token's position."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=device)
@@ -133,16 +158,36 @@ def indexer_logits_triton(
         raise ValueError("seq_idx and positions need one entry per token")
     block_size_tokens = k_cache.shape[1]
     num_blocks_s = triton.cdiv(block_tables.shape[1] * block_size_tokens, _INDEXER_BLOCK_S)
-    logits = torch.empty(num_tokens, num_blocks_s * _INDEXER_BLOCK_S, dtype=torch.float32,
-                         device=device)
+    logits = torch.empty(
+        num_tokens, num_blocks_s * _INDEXER_BLOCK_S, dtype=torch.float32, device=device
+    )
     if num_tokens > 0:
-        launch(_indexer_logits_kernel, (num_tokens, num_blocks_s), q, q, weights, k_cache,
-               block_tables, seq_idx, positions, logits, q.stride(0), q.stride(1),
-               weights.stride(0), block_tables.stride(0), logits.stride(0), softmax_scale,
-               NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE_TOKENS=block_size_tokens,
-               BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
-               BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_S=_INDEXER_BLOCK_S,
-               UPCAST_DOT=dot_in_fp32(q.dtype), num_warps=4)
+        launch(
+            _indexer_logits_kernel,
+            (num_tokens, num_blocks_s),
+            q,
+            q,
+            weights,
+            k_cache,
+            block_tables,
+            seq_idx,
+            positions,
+            logits,
+            q.stride(0),
+            q.stride(1),
+            weights.stride(0),
+            block_tables.stride(0),
+            logits.stride(0),
+            softmax_scale,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE_TOKENS=block_size_tokens,
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_S=_INDEXER_BLOCK_S,
+            UPCAST_DOT=dot_in_fp32(q.dtype),
+            num_warps=4,
+        )
     return logits
 
 
@@ -157,8 +202,9 @@ def indexer_topk_triton(
     softmax_scale: float,
 ) -> torch.Tensor:
     """Triton-logits twin of `indexer_topk_reference` (selection by torch.sort / torch.topk)."""
-    logits = indexer_logits_triton(q, weights, k_cache, block_tables, seq_idx, positions,
-                                   softmax_scale)
+    logits = indexer_logits_triton(
+        q, weights, k_cache, block_tables, seq_idx, positions, softmax_scale
+    )
     num_tokens, num_positions = logits.shape
     k = min(topk, num_positions)
     if num_positions <= _SORT_MAX_POSITIONS:

@@ -77,8 +77,10 @@ def grouped_layout(
     sorted_local = local[order]
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_local]
     # An upper bound on the padded rows that needs no host sync.
-    num_rows = triton.cdiv(num_pairs + min(num_local_experts, num_pairs) * (block_m - 1),
-                           block_m) * block_m
+    num_rows = (
+        triton.cdiv(num_pairs + min(num_local_experts, num_pairs) * (block_m - 1), block_m)
+        * block_m
+    )
     held = sorted_local < num_local_experts
     start = padded_start[sorted_local.clamp(max=num_local_experts - 1)]
     dest = torch.where(held, start + rank, num_rows)
@@ -92,10 +94,23 @@ def grouped_layout(
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w13_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
-    x_row_stride, w13_expert_stride, w13_row_stride, h_row_stride, hidden, intermediate,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    h_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    x_row_stride,
+    w13_expert_stride,
+    w13_row_stride,
+    h_row_stride,
+    hidden,
+    intermediate,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of intermediate
@@ -115,16 +130,20 @@ def _moe_gate_up_kernel(
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k_mask = (k0 + kk) < hidden
-            a = tl.load(x_ptr + tokens[:, None] * x_row_stride + k0 + kk[None, :],
-                        mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            bg = tl.load(w_gate + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :],
-                         other=0.0)  # [BLOCK_N, BLOCK_K]
-            bu = tl.load(w_up + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :],
-                         other=0.0)
+            a = tl.load(
+                x_ptr + tokens[:, None] * x_row_stride + k0 + kk[None, :],
+                mask=valid[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
+            bg = tl.load(
+                w_gate + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
+            )  # [BLOCK_N, BLOCK_K]
+            bu = tl.load(
+                w_up + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
+            )
             if UPCAST_DOT:
                 a = a.to(tl.float32)
-                acc_gate = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_gate,
-                                  input_precision="ieee")
+                acc_gate = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_gate, input_precision="ieee")
                 acc_up = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_up, input_precision="ieee")
             else:
                 acc_gate = tl.dot(a, tl.trans(bg), acc_gate)
@@ -136,16 +155,32 @@ def _moe_gate_up_kernel(
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * h_row_stride + cols[None, :],
-                 (silu * up).to(dtype), mask=valid[:, None] & col_mask[None, :])
+        tl.store(
+            h_ptr + rows[:, None].to(tl.int64) * h_row_stride + cols[None, :],
+            (silu * up).to(dtype),
+            mask=valid[:, None] & col_mask[None, :],
+        )
 
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w2_ptr, topk_weights_ptr, y_ptr, sorted_pairs_ptr, block_expert_ptr,
-    h_row_stride, w2_expert_stride, w2_row_stride, y_row_stride, hidden, intermediate,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    h_ptr,
+    w2_ptr,
+    topk_weights_ptr,
+    y_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    h_row_stride,
+    w2_expert_stride,
+    w2_row_stride,
+    y_row_stride,
+    hidden,
+    intermediate,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of hidden
@@ -163,21 +198,25 @@ def _moe_down_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, intermediate, BLOCK_K):
             k_mask = (k0 + kk) < intermediate
-            a = tl.load(h_rows + k0 + kk[None, :], mask=valid[:, None] & k_mask[None, :],
-                        other=0.0)
-            b = tl.load(w_rows + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :],
-                        other=0.0)
+            a = tl.load(h_rows + k0 + kk[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(
+                w_rows + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
+            )
             if UPCAST_DOT:
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
-                             input_precision="ieee")
+                acc = tl.dot(
+                    a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee"
+                )
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         weight = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
         y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
-        tl.store(y_ptr + pairs[:, None].to(tl.int64) * y_row_stride + cols[None, :], y,
-                 mask=valid[:, None] & col_mask[None, :])
+        tl.store(
+            y_ptr + pairs[:, None].to(tl.int64) * y_row_stride + cols[None, :],
+            y,
+            mask=valid[:, None] & col_mask[None, :],
+        )
 
 
 @dataclass(frozen=True)
@@ -192,8 +231,7 @@ class GroupedGemmConfig:
 # Decode: a few tokens per expert, so the smallest MMA M (16) and narrow N tiles to spread each
 # expert's weights over many programs (memory-bound). Prefill: tall tiles reuse weight tiles.
 DECODE_CONFIG = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-PREFILL_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8,
-                                   num_stages=3)
+PREFILL_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 # Routed pairs at or below which a step is treated as decode (e.g. batch 32 x top-8).
 DECODE_MAX_PAIRS = 256
 
@@ -212,8 +250,9 @@ def grouped_moe_triton(
     device = x.device
     check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=device)
     check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), device=device)
-    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True,
-                 device=device)
+    check_tensor(
+        "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True, device=device
+    )
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, device=device)
     num_tokens, hidden = x.shape
     num_local_experts, two_i, _ = w13.shape
@@ -221,10 +260,14 @@ def grouped_moe_triton(
     if w13.shape != (num_local_experts, 2 * intermediate, hidden):
         raise ValueError(f"w13 {tuple(w13.shape)} is not [E, 2 * I, {hidden}]")
     if w2.shape != (num_local_experts, hidden, intermediate):
-        raise ValueError(f"w2 {tuple(w2.shape)}, expected {(num_local_experts, hidden, intermediate)}")
+        raise ValueError(
+            f"w2 {tuple(w2.shape)}, expected {(num_local_experts, hidden, intermediate)}"
+        )
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / weights "
-                         f"{tuple(topk_weights.shape)} vs {num_tokens} tokens")
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} / weights "
+            f"{tuple(topk_weights.shape)} vs {num_tokens} tokens"
+        )
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if config is None:
@@ -235,16 +278,52 @@ def grouped_moe_triton(
         num_blocks = layout.block_expert.shape[0]
         h = torch.empty(layout.sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=device)
         upcast = dot_in_fp32(x.dtype)
-        launch(_moe_gate_up_kernel, (num_blocks, triton.cdiv(intermediate, config.block_n)), x,
-               x, w13, h, layout.sorted_pairs, layout.block_expert, x.stride(0), w13.stride(0),
-               w13.stride(1), h.stride(0), hidden, intermediate, TOP_K=top_k,
-               BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-               UPCAST_DOT=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
-        launch(_moe_down_kernel, (num_blocks, triton.cdiv(hidden, config.block_n)), x, h, w2,
-               topk_weights, y, layout.sorted_pairs, layout.block_expert, h.stride(0),
-               w2.stride(0), w2.stride(1), y.stride(0), hidden, intermediate,
-               BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-               UPCAST_DOT=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
+        launch(
+            _moe_gate_up_kernel,
+            (num_blocks, triton.cdiv(intermediate, config.block_n)),
+            x,
+            x,
+            w13,
+            h,
+            layout.sorted_pairs,
+            layout.block_expert,
+            x.stride(0),
+            w13.stride(0),
+            w13.stride(1),
+            h.stride(0),
+            hidden,
+            intermediate,
+            TOP_K=top_k,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            UPCAST_DOT=upcast,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        launch(
+            _moe_down_kernel,
+            (num_blocks, triton.cdiv(hidden, config.block_n)),
+            x,
+            h,
+            w2,
+            topk_weights,
+            y,
+            layout.sorted_pairs,
+            layout.block_expert,
+            h.stride(0),
+            w2.stride(0),
+            w2.stride(1),
+            y.stride(0),
+            hidden,
+            intermediate,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            UPCAST_DOT=upcast,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
     return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
 
 
@@ -286,8 +365,7 @@ def grouped_moe_deepgemm(
         a = torch.zeros(num_local_experts * num_tokens + 1, hidden, dtype=x.dtype, device=x.device)
         a[row] = x.repeat_interleave(top_k, dim=0)
         a = a[:-1].view(num_local_experts, num_tokens, hidden)
-        gate_up = torch.empty(num_local_experts, num_tokens, two_i, dtype=x.dtype,
-                              device=x.device)
+        gate_up = torch.empty(num_local_experts, num_tokens, two_i, dtype=x.dtype, device=x.device)
         backend.grouped_gemm_masked(a, w13, gate_up, masked_m, expected_m=max(1, top_k))
         h = silu_and_mul_triton(gate_up)
         down = torch.empty(num_local_experts, num_tokens, hidden, dtype=x.dtype, device=x.device)

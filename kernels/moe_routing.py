@@ -43,10 +43,22 @@ def moe_route_reference(
 
 @triton.jit
 def _moe_route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, logits_row_stride, routed_scaling_factor,
-    NUM_EXPERTS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    TOP_K: tl.constexpr, NORM_TOPK_PROB: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    logits_row_stride,
+    routed_scaling_factor,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORM_TOPK_PROB: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     group_size: tl.constexpr = NUM_EXPERTS // NUM_GROUPS
@@ -111,11 +123,14 @@ def moe_route_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `moe_route_reference`: one program per token; ids in descending score."""
     check_tensor("router_logits", router_logits, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("correction_bias", correction_bias, ndim=1, dtypes=FLOAT_DTYPES,
-                 device=router_logits.device)
+    check_tensor(
+        "correction_bias", correction_bias, ndim=1, dtypes=FLOAT_DTYPES, device=router_logits.device
+    )
     num_tokens, num_experts = router_logits.shape
     if correction_bias.shape[0] != num_experts:
-        raise ValueError(f"correction_bias has {correction_bias.shape[0]} entries, not {num_experts}")
+        raise ValueError(
+            f"correction_bias has {correction_bias.shape[0]} entries, not {num_experts}"
+        )
     if num_experts % num_groups or num_experts // num_groups < 2:
         raise ValueError(f"{num_experts} experts do not split into {num_groups} groups of >= 2")
     if not 0 < topk_groups <= num_groups:
@@ -125,12 +140,25 @@ def moe_route_triton(
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens > 0:
-        launch(_moe_route_kernel, (num_tokens,), router_logits, router_logits, correction_bias,
-               weights, ids, router_logits.stride(0), routed_scaling_factor,
-               NUM_EXPERTS=num_experts, NUM_GROUPS=num_groups, TOPK_GROUPS=topk_groups,
-               TOP_K=top_k, NORM_TOPK_PROB=bool(norm_topk_prob),
-               BLOCK_E=triton.next_power_of_2(num_experts),
-               BLOCK_G=triton.next_power_of_2(num_groups),
-               BLOCK_GS=triton.next_power_of_2(num_experts // num_groups),
-               BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+        launch(
+            _moe_route_kernel,
+            (num_tokens,),
+            router_logits,
+            router_logits,
+            correction_bias,
+            weights,
+            ids,
+            router_logits.stride(0),
+            routed_scaling_factor,
+            NUM_EXPERTS=num_experts,
+            NUM_GROUPS=num_groups,
+            TOPK_GROUPS=topk_groups,
+            TOP_K=top_k,
+            NORM_TOPK_PROB=bool(norm_topk_prob),
+            BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_G=triton.next_power_of_2(num_groups),
+            BLOCK_GS=triton.next_power_of_2(num_experts // num_groups),
+            BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=4,
+        )
     return weights, ids

@@ -25,8 +25,8 @@ from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from kernels.rope import rope_cos_sin, rope_reference
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 
-# RoPE alone has no kernel: the model applies it fused into the cache writes, and to q inside
-# its projections' epilogue-free torch code (a [T, H, 64] tensor, not worth a launch of its own).
+# RoPE alone has no kernel: the keys' RoPE is fused into the two cache writes, and q's (a small
+# [T, H, 64] elementwise op) stays the twin.
 rope = rope_reference
 
 
@@ -59,9 +59,7 @@ def indexer_k_cache_write(
     k_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    impl = (
-        indexer_k_cache_write_triton if use_triton(k.device) else indexer_k_cache_write_reference
-    )
+    impl = indexer_k_cache_write_triton if use_triton(k.device) else indexer_k_cache_write_reference
     return impl(k, ln_weight, ln_bias, eps, cos, sin, k_cache, slot_mapping)
 
 
@@ -102,8 +100,15 @@ def moe_route(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = moe_route_triton if use_triton(router_logits.device) else moe_route_reference
-    return impl(router_logits, correction_bias, num_groups, topk_groups, top_k, norm_topk_prob,
-                routed_scaling_factor)
+    return impl(
+        router_logits,
+        correction_bias,
+        num_groups,
+        topk_groups,
+        top_k,
+        norm_topk_prob,
+        routed_scaling_factor,
+    )
 
 
 def grouped_moe(
@@ -117,8 +122,9 @@ def grouped_moe(
     if not use_triton(x.device):
         return grouped_moe_reference(x, w13, w2, topk_weights, topk_ids, first_expert)
     if deepgemm.use_deepgemm(x):
-        return grouped_moe_deepgemm(x, w13, w2, topk_weights, topk_ids, first_expert,
-                                    deepgemm.backend)
+        return grouped_moe_deepgemm(
+            x, w13, w2, topk_weights, topk_ids, first_expert, deepgemm.backend
+        )
     return grouped_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert)
 
 

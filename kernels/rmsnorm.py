@@ -21,8 +21,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, weight_ptr, out_ptr, x_row_stride, out_row_stride, width, eps,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    x_row_stride,
+    out_row_stride,
+    width,
+    eps,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -37,8 +44,9 @@ def _rms_norm_kernel(
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(out_ptr + row * out_row_stride + cols, (w * normed).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        out_ptr + row * out_row_stride + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,7 +61,18 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         x2d = x2d.contiguous()
     out = torch.empty(x2d.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if x2d.shape[0] > 0:
-        launch(_rms_norm_kernel, (x2d.shape[0],), x, x2d, weight, out, x2d.stride(0),
-               out.stride(0), width, eps, BLOCK=triton.next_power_of_2(width),
-               num_warps=4 if width <= 2048 else 8)
+        launch(
+            _rms_norm_kernel,
+            (x2d.shape[0],),
+            x,
+            x2d,
+            weight,
+            out,
+            x2d.stride(0),
+            out.stride(0),
+            width,
+            eps,
+            BLOCK=triton.next_power_of_2(width),
+            num_warps=4 if width <= 2048 else 8,
+        )
     return out.view(x.shape)

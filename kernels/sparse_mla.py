@@ -59,13 +59,30 @@ _MLA_NUM_WARPS = 8
 
 @triton.jit
 def _sparse_mla_split_kernel(
-    q_ptr, cache_ptr, block_tables_ptr, seq_idx_ptr, topk_ptr,
-    partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    q_token_stride, q_head_stride, block_tables_row_stride, topk_row_stride,
-    num_topk, keys_per_split, softmax_scale,
-    NUM_HEADS: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
-    BLOCK_SIZE_TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_idx_ptr,
+    topk_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    q_token_stride,
+    q_head_stride,
+    block_tables_row_stride,
+    topk_row_stride,
+    num_topk,
+    keys_per_split,
+    softmax_scale,
+    NUM_HEADS: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_SIZE_TOKENS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -83,10 +100,14 @@ def _sparse_mla_split_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     q_rows = q_ptr + token * q_token_stride + heads[:, None] * q_head_stride
-    q_nope = tl.load(q_rows + lat[None, :], mask=head_mask[:, None] & lat_mask[None, :],
-                     other=0.0)  # [BLOCK_H, BLOCK_L]
-    q_rope = tl.load(q_rows + KV_LORA_RANK + rope[None, :],
-                     mask=head_mask[:, None] & rope_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+    q_nope = tl.load(
+        q_rows + lat[None, :], mask=head_mask[:, None] & lat_mask[None, :], other=0.0
+    )  # [BLOCK_H, BLOCK_L]
+    q_rope = tl.load(
+        q_rows + KV_LORA_RANK + rope[None, :],
+        mask=head_mask[:, None] & rope_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_R]
     if UPCAST_DOT:
         q_nope = q_nope.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
@@ -101,13 +122,22 @@ def _sparse_mla_split_kernel(
         slots = k0 + tl.arange(0, BLOCK_K)
         picks = tl.load(topk_ptr + token * topk_row_stride + slots, mask=slots < end, other=-1)
         valid = picks >= 0
-        blocks = tl.load(block_tables_ptr + seq * block_tables_row_stride
-                         + picks // BLOCK_SIZE_TOKENS, mask=valid, other=0).to(tl.int64)
+        blocks = tl.load(
+            block_tables_ptr + seq * block_tables_row_stride + picks // BLOCK_SIZE_TOKENS,
+            mask=valid,
+            other=0,
+        ).to(tl.int64)
         rows = (blocks * BLOCK_SIZE_TOKENS + picks % BLOCK_SIZE_TOKENS) * width  # [BLOCK_K]
-        k_nope = tl.load(cache_ptr + rows[:, None] + lat[None, :],
-                         mask=valid[:, None] & lat_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_L]
-        k_rope = tl.load(cache_ptr + rows[:, None] + KV_LORA_RANK + rope[None, :],
-                         mask=valid[:, None] & rope_mask[None, :], other=0.0)
+        k_nope = tl.load(
+            cache_ptr + rows[:, None] + lat[None, :],
+            mask=valid[:, None] & lat_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_L]
+        k_rope = tl.load(
+            cache_ptr + rows[:, None] + KV_LORA_RANK + rope[None, :],
+            mask=valid[:, None] & rope_mask[None, :],
+            other=0.0,
+        )
         if UPCAST_DOT:
             k_nope = k_nope.to(tl.float32)
             k_rope = k_rope.to(tl.float32)
@@ -133,16 +163,27 @@ def _sparse_mla_split_kernel(
     row = (token * num_splits + split) * NUM_HEADS + heads
     tl.store(partial_max_ptr + row, running_max, mask=head_mask)
     tl.store(partial_sum_ptr + row, running_sum, mask=head_mask)
-    tl.store(partial_out_ptr + row[:, None] * KV_LORA_RANK + lat[None, :], acc,
-             mask=head_mask[:, None] & lat_mask[None, :])
+    tl.store(
+        partial_out_ptr + row[:, None] * KV_LORA_RANK + lat[None, :],
+        acc,
+        mask=head_mask[:, None] & lat_mask[None, :],
+    )
 
 
 @triton.jit
 def _sparse_mla_merge_kernel(
-    partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, out_token_stride,
-    out_head_stride, num_splits,
-    NUM_HEADS: tl.constexpr, KV_LORA_RANK: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-    BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    out_ptr,
+    out_token_stride,
+    out_head_stride,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -155,15 +196,21 @@ def _sparse_mla_merge_kernel(
         tl.extra.cuda.gdc_wait()
     split_max = tl.load(partial_max_ptr + rows, mask=split_mask, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0)
-    partial = tl.load(partial_out_ptr + rows[:, None] * KV_LORA_RANK + lat[None, :],
-                      mask=split_mask[:, None] & lat_mask[None, :], other=0.0)
+    partial = tl.load(
+        partial_out_ptr + rows[:, None] * KV_LORA_RANK + lat[None, :],
+        mask=split_mask[:, None] & lat_mask[None, :],
+        other=0.0,
+    )
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     scale = tl.exp(split_max - tl.max(split_max, axis=0))  # [BLOCK_SPLITS]
     total = tl.sum(split_sum * scale, axis=0)
     out = tl.sum(partial * scale[:, None], axis=0) / total
-    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + lat,
-             out.to(out_ptr.dtype.element_ty), mask=lat_mask)
+    tl.store(
+        out_ptr + token * out_token_stride + head * out_head_stride + lat,
+        out.to(out_ptr.dtype.element_ty),
+        mask=lat_mask,
+    )
 
 
 def sparse_mla_attention_triton(
@@ -178,15 +225,15 @@ def sparse_mla_attention_triton(
     """Triton twin of `sparse_mla_attention_reference` (split top-k + merge, two launches)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
-    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True,
-                 device=device)
+    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True, device=device)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
     check_tensor("seq_idx", seq_idx, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_tensor("topk_indices", topk_indices, ndim=2, dtypes=INDEX_DTYPES, device=device)
     num_tokens, num_heads, width = q.shape
     if kv_cache.shape[-1] != width or not 0 < kv_lora_rank < width:
-        raise ValueError(f"q heads {width} wide, cache rows {kv_cache.shape[-1]}, "
-                         f"kv_lora_rank {kv_lora_rank}")
+        raise ValueError(
+            f"q heads {width} wide, cache rows {kv_cache.shape[-1]}, kv_lora_rank {kv_lora_rank}"
+        )
     if seq_idx.shape[0] != num_tokens or topk_indices.shape[0] != num_tokens:
         raise ValueError("seq_idx and topk_indices need one row per token")
     rope_dim = width - kv_lora_rank
@@ -194,8 +241,9 @@ def sparse_mla_attention_triton(
     block_h = max(16, min(_MLA_BLOCK_H, triton.next_power_of_2(num_heads)))
     num_head_blocks = triton.cdiv(num_heads, block_h)
     max_splits = max(1, triton.cdiv(num_topk, _MLA_BLOCK_K))
-    num_splits = min(max_splits,
-                     max(1, _MLA_TARGET_PROGRAMS // max(1, num_tokens * num_head_blocks)))
+    num_splits = min(
+        max_splits, max(1, _MLA_TARGET_PROGRAMS // max(1, num_tokens * num_head_blocks))
+    )
     keys_per_split = triton.cdiv(triton.cdiv(num_topk, num_splits), _MLA_BLOCK_K) * _MLA_BLOCK_K
     num_splits = max(1, triton.cdiv(num_topk, keys_per_split))
 
@@ -203,22 +251,58 @@ def sparse_mla_attention_triton(
     if num_tokens == 0:
         return out
     # [T, splits, H, L] and [T, splits, H], fp32
-    partial_out = torch.empty(num_tokens, num_splits, num_heads, kv_lora_rank,
-                              dtype=torch.float32, device=device)
-    partial_max = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32,
-                              device=device)
+    partial_out = torch.empty(
+        num_tokens, num_splits, num_heads, kv_lora_rank, dtype=torch.float32, device=device
+    )
+    partial_max = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32, device=device)
     partial_sum = torch.empty_like(partial_max)
     block_l = max(16, triton.next_power_of_2(kv_lora_rank))
-    launch(_sparse_mla_split_kernel, (num_tokens, num_head_blocks, num_splits), q, q, kv_cache,
-           block_tables, seq_idx, topk_indices, partial_out, partial_max, partial_sum,
-           q.stride(0), q.stride(1), block_tables.stride(0), topk_indices.stride(0), num_topk,
-           keys_per_split, softmax_scale, NUM_HEADS=num_heads, KV_LORA_RANK=kv_lora_rank,
-           ROPE_DIM=rope_dim, BLOCK_SIZE_TOKENS=kv_cache.shape[1], BLOCK_H=block_h,
-           BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-           BLOCK_K=_MLA_BLOCK_K, UPCAST_DOT=dot_in_fp32(q.dtype), num_warps=_MLA_NUM_WARPS,
-           num_stages=2)
-    launch(_sparse_mla_merge_kernel, (num_tokens, num_heads), q, partial_out, partial_max,
-           partial_sum, out, out.stride(0), out.stride(1), num_splits, NUM_HEADS=num_heads,
-           KV_LORA_RANK=kv_lora_rank, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
-           BLOCK_L=block_l, num_warps=4)
+    launch(
+        _sparse_mla_split_kernel,
+        (num_tokens, num_head_blocks, num_splits),
+        q,
+        q,
+        kv_cache,
+        block_tables,
+        seq_idx,
+        topk_indices,
+        partial_out,
+        partial_max,
+        partial_sum,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        topk_indices.stride(0),
+        num_topk,
+        keys_per_split,
+        softmax_scale,
+        NUM_HEADS=num_heads,
+        KV_LORA_RANK=kv_lora_rank,
+        ROPE_DIM=rope_dim,
+        BLOCK_SIZE_TOKENS=kv_cache.shape[1],
+        BLOCK_H=block_h,
+        BLOCK_L=block_l,
+        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+        BLOCK_K=_MLA_BLOCK_K,
+        UPCAST_DOT=dot_in_fp32(q.dtype),
+        num_warps=_MLA_NUM_WARPS,
+        num_stages=2,
+    )
+    launch(
+        _sparse_mla_merge_kernel,
+        (num_tokens, num_heads),
+        q,
+        partial_out,
+        partial_max,
+        partial_sum,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        NUM_HEADS=num_heads,
+        KV_LORA_RANK=kv_lora_rank,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        BLOCK_L=block_l,
+        num_warps=4,
+    )
     return out

@@ -22,9 +22,10 @@ needs_triton = pytest.mark.skipif(
 DEVICE = torch.device("cuda") if HAS_CUDA and not INTERPRETER else torch.device("cpu")
 
 # (atol, rtol) against the twin; atol is relative to the largest |expected| of the tensor, since
-# a one-ulp difference before a subtraction (RoPE, LayerNorm) survives as an absolute one. fp32: both sides accumulate in fp32 in different orders. bf16:
-# one or two ulps (2**-8 relative) where the kernel keeps fp32 a step longer than the twin, e.g.
-# attention probabilities rounded to bf16 for the tensor-core PV product.
+# a one-ulp difference before a subtraction (RoPE, LayerNorm) survives as an absolute one.
+# fp32: both sides accumulate in fp32 in different orders. bf16: one or two ulps (2**-8 relative)
+# where the kernel keeps fp32 a step longer than the twin, e.g. attention probabilities rounded
+# to bf16 for the tensor-core PV product.
 TOLERANCES = {
     torch.float32: (2e-5, 2e-5),
     torch.bfloat16: (2e-2, 2e-2),
@@ -39,8 +40,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, scale: float = 1.
     atol *= max(1.0, expected.float().abs().max().item()) if expected.numel() else 1.0
     assert actual.dtype == expected.dtype
     assert actual.shape == expected.shape
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol * scale,
-                               rtol=rtol * scale)
+    torch.testing.assert_close(
+        actual.float(), expected.float(), atol=atol * scale, rtol=rtol * scale
+    )
 
 
 def overlap(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,9 @@ def _cos_sin(num_tokens: int, rope_half: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,kv_lora_rank,rope_half", [(1, 7, 1), (7, 131, 5), (131, 64, 8)])
+@pytest.mark.parametrize(
+    "num_tokens,kv_lora_rank,rope_half", [(1, 7, 1), (7, 131, 5), (131, 64, 8)]
+)
 def test_mla_kv_cache_write_matches_twin(
     dtype: torch.dtype, num_tokens: int, kv_lora_rank: int, rope_half: int
 ) -> None:
@@ -73,5 +75,12 @@ def test_mla_kv_cache_write_rejects_wrong_cache_width() -> None:
     cos = sin = torch.ones(2, 2, device=DEVICE)
     cache = torch.zeros(1, BLOCK_SIZE_TOKENS, 11, device=DEVICE)
     with pytest.raises(ValueError, match="cache rows"):
-        mla_kv_cache_write_triton(kv_a, torch.ones(8, device=DEVICE), 1e-6, cos, sin, cache,
-                                  torch.tensor([0, 1], device=DEVICE))
+        mla_kv_cache_write_triton(
+            kv_a,
+            torch.ones(8, device=DEVICE),
+            1e-6,
+            cos,
+            sin,
+            cache,
+            torch.tensor([0, 1], device=DEVICE),
+        )

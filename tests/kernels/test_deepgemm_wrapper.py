@@ -75,13 +75,20 @@ def test_wrapper_reports_absent_deepgemm_and_the_missing_symbol() -> None:
 
     old = types.ModuleType("deep_gemm")
     old.__version__ = "1.0"
-    with pytest.raises(DeepGemmSymbolError, match=r"1\.0 has no `m_grouped_bf16_gemm_nt_contiguous`"):
+    with pytest.raises(
+        DeepGemmSymbolError, match=r"1\.0 has no `m_grouped_bf16_gemm_nt_contiguous`"
+    ):
         DeepGemmBackend(loader=lambda: old).symbol(deepgemm.CONTIGUOUS_GEMM)
 
 
-@pytest.mark.parametrize("gate_on,with_set_pdl,expect_set_pdl", [
-    (True, True, True), (True, False, False), (False, True, False),
-])
+@pytest.mark.parametrize(
+    "gate_on,with_set_pdl,expect_set_pdl",
+    [
+        (True, True, True),
+        (True, False, False),
+        (False, True, False),
+    ],
+)
 def test_wrapper_calls_set_pdl_only_when_gate_and_version_allow(
     monkeypatch, gate_on: bool, with_set_pdl: bool, expect_set_pdl: bool
 ) -> None:

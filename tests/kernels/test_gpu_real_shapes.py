@@ -93,8 +93,7 @@ def test_indexer_topk_real_shapes(context: int) -> None:
     k_cache, block_tables = _paged(num_seqs, context, INDEX_DIM)
     # two decode tokens per sequence: the last position and one earlier (an MTP draft row)
     seq_idx = torch.arange(num_seqs, device=CUDA).repeat_interleave(2).to(torch.int32)
-    positions = torch.tensor([context - 1, context // 3] * num_seqs, device=CUDA,
-                             dtype=torch.int32)
+    positions = torch.tensor([context - 1, context // 3] * num_seqs, device=CUDA, dtype=torch.int32)
     q = torch.randn(2 * num_seqs, INDEX_HEADS, INDEX_DIM, dtype=BF16, device=CUDA)
     weights = (torch.rand(2 * num_seqs, INDEX_HEADS, device=CUDA) * INDEX_HEADS**-0.5).to(BF16)
     args = (q, weights, k_cache, block_tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5)
@@ -107,8 +106,9 @@ def test_sparse_mla_real_shapes() -> None:
     num_tokens, context = 8, 8192
     kv_cache, block_tables = _paged(num_tokens, context, KV_LORA + ROPE)
     seq_idx = torch.arange(num_tokens, device=CUDA, dtype=torch.int32)
-    topk = torch.stack([torch.randperm(context, device=CUDA)[:INDEX_TOPK]
-                        for _ in range(num_tokens)]).to(torch.int32)
+    topk = torch.stack(
+        [torch.randperm(context, device=CUDA)[:INDEX_TOPK] for _ in range(num_tokens)]
+    ).to(torch.int32)
     topk[0, 1000:] = -1
     q = torch.randn(num_tokens, NUM_HEADS, KV_LORA + ROPE, dtype=BF16, device=CUDA)
     args = (q, kv_cache, block_tables, seq_idx, topk, (192**-0.5), KV_LORA)
@@ -124,8 +124,7 @@ def test_moe_route_real_shapes(dtype: torch.dtype) -> None:
     ids_ref, order_ref = ids_ref.sort(-1)
     ids, order = ids.sort(-1)
     assert torch.equal(ids, ids_ref)
-    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), atol=1e-6,
-                               rtol=1e-5)
+    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), atol=1e-6, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +139,15 @@ def experts() -> tuple[torch.Tensor, torch.Tensor]:
 def test_grouped_moe_real_shapes(experts, num_tokens: int) -> None:
     w13, w2 = experts
     x = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=CUDA)
-    weights, ids = moe_route_triton(torch.randn(num_tokens, NUM_EXPERTS, device=CUDA),
-                                    torch.zeros(NUM_EXPERTS, device=CUDA), NUM_GROUPS,
-                                    TOPK_GROUPS, TOP_K, True, 2.5)
+    weights, ids = moe_route_triton(
+        torch.randn(num_tokens, NUM_EXPERTS, device=CUDA),
+        torch.zeros(NUM_EXPERTS, device=CUDA),
+        NUM_GROUPS,
+        TOPK_GROUPS,
+        TOP_K,
+        True,
+        2.5,
+    )
     expected = grouped_moe_reference(x, w13, w2, weights, ids)
     assert_close(grouped_moe_triton(x, w13, w2, weights, ids), expected)
 
@@ -155,15 +160,17 @@ def _decode_chain(experts, num_tokens: int = 8, context: int = 4096):
     k_cache, _ = _paged(num_tokens, context, INDEX_DIM)
     seq_idx = torch.arange(num_tokens, device=CUDA, dtype=torch.int32)
     positions = torch.full((num_tokens,), context - 1, device=CUDA, dtype=torch.int32)
-    slots = (block_tables[:, -1].long() * BLOCK + BLOCK - 1)
+    slots = block_tables[:, -1].long() * BLOCK + BLOCK - 1
     cos, sin = _cos_sin(positions)
     hidden = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=CUDA)
     norm_w = torch.randn(HIDDEN, dtype=BF16, device=CUDA)
     kv_a = torch.randn(num_tokens, KV_LORA + ROPE, dtype=BF16, device=CUDA)
     kv_norm_w = torch.randn(KV_LORA, dtype=BF16, device=CUDA)
     k = torch.randn(num_tokens, INDEX_DIM, dtype=BF16, device=CUDA)
-    ln_w, ln_b = torch.ones(INDEX_DIM, dtype=BF16, device=CUDA), torch.zeros(
-        INDEX_DIM, dtype=BF16, device=CUDA)
+    ln_w, ln_b = (
+        torch.ones(INDEX_DIM, dtype=BF16, device=CUDA),
+        torch.zeros(INDEX_DIM, dtype=BF16, device=CUDA),
+    )
     q_index = torch.randn(num_tokens, INDEX_HEADS, INDEX_DIM, dtype=BF16, device=CUDA)
     index_w = torch.rand(num_tokens, INDEX_HEADS, dtype=BF16, device=CUDA)
     q = torch.randn(num_tokens, NUM_HEADS, KV_LORA + ROPE, dtype=BF16, device=CUDA)
@@ -174,10 +181,12 @@ def _decode_chain(experts, num_tokens: int = 8, context: int = 4096):
         normed = ops.rms_norm(hidden, norm_w, 1e-6)
         ops.mla_kv_cache_write(kv_a, kv_norm_w, 1e-6, cos, sin, kv_cache, slots)
         ops.indexer_k_cache_write(k, ln_w, ln_b, 1e-6, cos, sin, k_cache, slots)
-        topk = ops.indexer_topk(q_index, index_w, k_cache, block_tables, seq_idx, positions,
-                                INDEX_TOPK, INDEX_DIM**-0.5)
-        attn = ops.sparse_mla_attention(q, kv_cache, block_tables, seq_idx, topk, 192**-0.5,
-                                        KV_LORA)
+        topk = ops.indexer_topk(
+            q_index, index_w, k_cache, block_tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5
+        )
+        attn = ops.sparse_mla_attention(
+            q, kv_cache, block_tables, seq_idx, topk, 192**-0.5, KV_LORA
+        )
         weights, ids = ops.moe_route(router, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5)
         moe = ops.grouped_moe(normed, w13, w2, weights, ids)
         return normed, topk, attn, weights, ids, moe

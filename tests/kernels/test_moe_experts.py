@@ -27,9 +27,14 @@ def _problem(dtype, num_tokens, hidden, intermediate, num_local, num_total, top_
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [DECODE_CONFIG, PREFILL_CONFIG], ids=["decode", "prefill"])
-@pytest.mark.parametrize("num_tokens,hidden,intermediate,top_k", [
-    (1, 7, 5, 1), (7, 37, 19, 3), (131, 16, 9, 2),
-])
+@pytest.mark.parametrize(
+    "num_tokens,hidden,intermediate,top_k",
+    [
+        (1, 7, 5, 1),
+        (7, 37, 19, 3),
+        (131, 16, 9, 2),
+    ],
+)
 def test_grouped_moe_matches_twin(dtype, config, num_tokens, hidden, intermediate, top_k) -> None:
     # This rank holds experts 2..6 of 9 (expert parallelism): other routes contribute nothing.
     x, w13, w2, weights, ids = _problem(dtype, num_tokens, hidden, intermediate, 5, 9, top_k)

@@ -10,12 +10,22 @@ pytestmark = needs_triton
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,num_experts,num_groups,topk_groups,top_k,norm", [
-    (1, 8, 1, 1, 1, True), (7, 24, 4, 2, 5, True), (131, 64, 8, 4, 8, False),
-])
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,num_groups,topk_groups,top_k,norm",
+    [
+        (1, 8, 1, 1, 1, True),
+        (7, 24, 4, 2, 5, True),
+        (131, 64, 8, 4, 8, False),
+    ],
+)
 def test_moe_route_matches_twin(
-    dtype: torch.dtype, num_tokens: int, num_experts: int, num_groups: int, topk_groups: int,
-    top_k: int, norm: bool,
+    dtype: torch.dtype,
+    num_tokens: int,
+    num_experts: int,
+    num_groups: int,
+    topk_groups: int,
+    top_k: int,
+    norm: bool,
 ) -> None:
     torch.manual_seed(num_tokens)
     logits = torch.randn(num_tokens, num_experts, dtype=dtype, device=DEVICE) * 2
@@ -27,5 +37,6 @@ def test_moe_route_matches_twin(
     ids_ref_sorted, order_ref = ids_ref.sort(-1)
     ids_sorted, order = ids.sort(-1)
     assert torch.equal(ids_sorted, ids_ref_sorted)
-    torch.testing.assert_close(weights.gather(1, order), weights_ref.gather(1, order_ref),
-                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        weights.gather(1, order), weights_ref.gather(1, order_ref), atol=1e-6, rtol=1e-5
+    )

@@ -7,8 +7,16 @@ import inspect
 import pytest
 import torch
 
-from kernels import activation, cache_write, indexer, moe_experts, moe_routing, ops, rmsnorm
-from kernels import sparse_mla
+from kernels import (
+    activation,
+    cache_write,
+    indexer,
+    moe_experts,
+    moe_routing,
+    ops,
+    rmsnorm,
+    sparse_mla,
+)
 
 TWINS = {
     "rms_norm": rmsnorm.rms_norm_reference,
@@ -27,9 +35,14 @@ def test_ops_keep_the_twins_signatures(name: str) -> None:
     assert inspect.signature(getattr(ops, name)) == inspect.signature(TWINS[name])
 
 
-@pytest.mark.parametrize("force_reference,device,expect", [
-    ("0", "cuda", "triton"), ("1", "cuda", "twin"), ("0", "cpu", "twin"),
-])
+@pytest.mark.parametrize(
+    "force_reference,device,expect",
+    [
+        ("0", "cuda", "triton"),
+        ("1", "cuda", "twin"),
+        ("0", "cpu", "twin"),
+    ],
+)
 def test_use_triton_policy(monkeypatch, force_reference, device, expect) -> None:
     from kernels.platform import use_triton
 

@@ -36,9 +36,16 @@ from tests.kernels.conftest import INTERPRETER
 pytestmark = pytest.mark.skipif(not INTERPRETER, reason="runs the kernels under TRITON_INTERPRET=1")
 
 ALL_KERNELS = {
-    "_rms_norm_kernel", "_silu_and_mul_kernel", "_mla_kv_cache_write_kernel",
-    "_indexer_k_cache_write_kernel", "_indexer_logits_kernel", "_sparse_mla_split_kernel",
-    "_sparse_mla_merge_kernel", "_moe_route_kernel", "_moe_gate_up_kernel", "_moe_down_kernel",
+    "_rms_norm_kernel",
+    "_silu_and_mul_kernel",
+    "_mla_kv_cache_write_kernel",
+    "_indexer_k_cache_write_kernel",
+    "_indexer_logits_kernel",
+    "_sparse_mla_split_kernel",
+    "_sparse_mla_merge_kernel",
+    "_moe_route_kernel",
+    "_moe_gate_up_kernel",
+    "_moe_down_kernel",
 }
 
 
@@ -56,23 +63,73 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
     topk = torch.tensor([[0, -1, -1], [3, 70, 1], [100, 2, 127]], dtype=torch.int32)
     ids = torch.tensor([[0, 2], [1, 3], [2, 0]], dtype=torch.int32)
     return [
-        ("rms_norm", rms_norm_triton, rms_norm_reference, (torch.randn(3, 9), torch.randn(9), 1e-6)),
+        (
+            "rms_norm",
+            rms_norm_triton,
+            rms_norm_reference,
+            (torch.randn(3, 9), torch.randn(9), 1e-6),
+        ),
         ("silu_and_mul", silu_and_mul_triton, silu_and_mul_reference, (torch.randn(3, 10),)),
-        ("mla_kv_cache_write", mla_kv_cache_write_triton, mla_kv_cache_write_reference,
-         (torch.randn(3, 12), torch.randn(8), 1e-6, cos, sin, cache, slots)),
-        ("indexer_k_cache_write", indexer_k_cache_write_triton, indexer_k_cache_write_reference,
-         (torch.randn(3, 16), torch.randn(16), torch.randn(16), 1e-6, cos, sin,
-          torch.zeros(2, 64, 16), slots)),
-        ("indexer_topk", indexer_topk_triton, indexer_topk_reference,
-         (torch.randn(3, 2, 16), torch.rand(3, 2), k_cache, block_tables, seq_idx, positions, 4,
-          0.25)),
-        ("sparse_mla_attention", sparse_mla_attention_triton, sparse_mla_attention_reference,
-         (torch.randn(3, 2, 16), k_cache, block_tables, seq_idx, topk, 0.25, 12)),
-        ("moe_route", moe_route_triton, moe_route_reference,
-         (torch.randn(3, 8), torch.zeros(8), 2, 1, 2, True, 1.0)),
-        ("grouped_moe", grouped_moe_triton, grouped_moe_reference,
-         (torch.randn(3, 6, dtype=f32), torch.randn(4, 10, 6), torch.randn(4, 6, 5),
-          torch.rand(3, 2), ids)),
+        (
+            "mla_kv_cache_write",
+            mla_kv_cache_write_triton,
+            mla_kv_cache_write_reference,
+            (torch.randn(3, 12), torch.randn(8), 1e-6, cos, sin, cache, slots),
+        ),
+        (
+            "indexer_k_cache_write",
+            indexer_k_cache_write_triton,
+            indexer_k_cache_write_reference,
+            (
+                torch.randn(3, 16),
+                torch.randn(16),
+                torch.randn(16),
+                1e-6,
+                cos,
+                sin,
+                torch.zeros(2, 64, 16),
+                slots,
+            ),
+        ),
+        (
+            "indexer_topk",
+            indexer_topk_triton,
+            indexer_topk_reference,
+            (
+                torch.randn(3, 2, 16),
+                torch.rand(3, 2),
+                k_cache,
+                block_tables,
+                seq_idx,
+                positions,
+                4,
+                0.25,
+            ),
+        ),
+        (
+            "sparse_mla_attention",
+            sparse_mla_attention_triton,
+            sparse_mla_attention_reference,
+            (torch.randn(3, 2, 16), k_cache, block_tables, seq_idx, topk, 0.25, 12),
+        ),
+        (
+            "moe_route",
+            moe_route_triton,
+            moe_route_reference,
+            (torch.randn(3, 8), torch.zeros(8), 2, 1, 2, True, 1.0),
+        ),
+        (
+            "grouped_moe",
+            grouped_moe_triton,
+            grouped_moe_reference,
+            (
+                torch.randn(3, 6, dtype=f32),
+                torch.randn(4, 10, 6),
+                torch.randn(4, 6, 5),
+                torch.rand(3, 2),
+                ids,
+            ),
+        ),
     ]
 
 
@@ -136,8 +193,11 @@ def _env_off(mp):
     _not_interpreted(mp)
 
 
-@pytest.mark.parametrize("make_platform", [_rocm, _xpu, _interpreter, _sm80, _env_off],
-                         ids=["rocm", "xpu", "interpreter", "sm80", "env-disabled"])
+@pytest.mark.parametrize(
+    "make_platform",
+    [_rocm, _xpu, _interpreter, _sm80, _env_off],
+    ids=["rocm", "xpu", "interpreter", "sm80", "env-disabled"],
+)
 def test_no_pdl_launch_where_the_gate_is_off(fake_platform, launches, make_platform) -> None:
     make_platform(fake_platform)
     cuda0 = torch.device("cuda", 0)
@@ -146,8 +206,10 @@ def test_no_pdl_launch_where_the_gate_is_off(fake_platform, launches, make_platf
     for name, triton_op, twin, args in _cases():
         cloned = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         actual, expected = triton_op(*args), twin(*cloned)
-        for got, want in zip(actual if isinstance(actual, tuple) else (actual,),
-                             expected if isinstance(expected, tuple) else (expected,)):
+        for got, want in zip(
+            actual if isinstance(actual, tuple) else (actual,),
+            expected if isinstance(expected, tuple) else (expected,),
+        ):
             if name in ("moe_route", "indexer_topk"):  # unordered top-k: compare as sets
                 got, want = got.sort(-1).values, want.sort(-1).values
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=name)
@@ -165,8 +227,9 @@ def test_pdl_launch_where_the_gate_is_on(fake_platform, monkeypatch) -> None:
     _not_interpreted(fake_platform)
     assert platform.pdl_enabled(torch.device("cuda", 0))
     recorded: list[tuple[str, dict[str, Any]]] = []
-    monkeypatch.setattr(InterpretedFunction, "run",
-                        lambda self, *a, **kw: recorded.append((self.fn.__name__, kw)))
+    monkeypatch.setattr(
+        InterpretedFunction, "run", lambda self, *a, **kw: recorded.append((self.fn.__name__, kw))
+    )
     for _, triton_op, _, args in _cases():
         triton_op(*args)
     assert {name for name, _ in recorded} == ALL_KERNELS

@@ -10,9 +10,14 @@ pytestmark = needs_triton
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,kv_lora_rank,rope_dim,num_topk", [
-    (1, 7, 2, 1), (3, 40, 8, 37), (17, 64, 16, 131),
-])
+@pytest.mark.parametrize(
+    "num_heads,kv_lora_rank,rope_dim,num_topk",
+    [
+        (1, 7, 2, 1),
+        (3, 40, 8, 37),
+        (17, 64, 16, 131),
+    ],
+)
 def test_sparse_mla_matches_twin(
     dtype: torch.dtype, num_heads: int, kv_lora_rank: int, rope_dim: int, num_topk: int
 ) -> None:
