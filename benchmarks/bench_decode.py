@@ -1,0 +1,283 @@
+"""End-to-end decode on one GPU: a DeepSeek-V3.2-width slice against its HBM floor and against
+transformers' DeepseekV32ForCausalLM on the same weights, with MTP and PDL on and off.
+
+    PYTHONPATH=$PWD python benchmarks/bench_decode.py [--layers 4] [--out results.md]
+
+The slice: DeepSeek-V3.2's real widths (hidden 7168, 128 heads, q/kv LoRA 1536/512, rope 64,
+indexer 64x128 top-2048, 256 routed experts top-8 of inter 2048 + 1 shared, vocab 129280),
+`--layers` layers (the first dense, the rest MoE) plus the MTP layer, deterministic random bf16
+weights made on the GPU. KV caches hold random entries: a decode step's cost does not depend on
+their values. Step times are CUDA-graph replays of the target forward + LM head (what the
+engine replays each decode step), timed with CUDA events; "engine" rows are the model runner's
+whole step (host bookkeeping and sampling included), timed by the wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import subprocess
+import time
+
+import torch
+
+from benchmarks.bench_kernels import copy_bandwidth_gbs, with_pdl
+from workers.batch import SamplingSpec, SeqWork, StepInput
+from workers.cuda_graph import DecodeGraphs
+from workers.model import DeepseekV32ForCausalLM
+from workers.model_runner import ModelRunner
+
+CUDA = torch.device("cuda")
+BF16 = torch.bfloat16
+BLOCK = 64
+BATCHES = (1, 8, 32)
+CONTEXTS = (1024, 8192, 32768)
+
+
+def slice_config(num_layers: int):
+    from transformers import DeepseekV32Config
+
+    return DeepseekV32Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=num_layers, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+        topk_group=4, num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=163840, rms_norm_eps=1e-6, index_topk=2048, index_head_dim=128,
+        index_n_heads=64,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )
+
+
+@torch.no_grad()
+def build_model(config) -> DeepseekV32ForCausalLM:
+    with torch.device(CUDA):
+        model = DeepseekV32ForCausalLM(config, dtype=BF16, with_mtp=True)
+    model.mtp.embed_tokens = model.model.embed_tokens
+    model.mtp.shared_head.head = model.lm_head
+    gen = torch.Generator(CUDA).manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name.rsplit(".", 2)[-2] or name.endswith("layernorm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(("bias", "e_score_correction_bias")):
+            p.zero_()
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    return model.eval()
+
+
+def weight_bytes(model, batch: int) -> dict[str, float]:
+    """HBM bytes of the weights one decode step of `batch` sequences must read."""
+    cfg = model.config
+    dense, moe, other = 0, 0, 0
+    for module in model.model.layers:
+        for name, p in module.named_parameters():
+            nbytes = p.numel() * p.element_size()
+            if ".experts." in f".{name}":
+                # Expected distinct experts among batch x top-8 picks (uniform routing).
+                n = cfg.n_routed_experts
+                distinct = n * (1 - (1 - cfg.num_experts_per_tok / n) ** batch)
+                moe += nbytes * distinct / n
+            else:
+                dense += nbytes
+    other += model.lm_head.weight.numel() * 2 + batch * cfg.hidden_size * 2  # head + embed rows
+    return {"layers": dense + moe, "head": other}
+
+
+def kv_bytes(config, batch: int, context: int, num_layers: int) -> float:
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    per_token = min(config.index_topk, context) * latent * 2 + context * config.index_head_dim * 2
+    return batch * per_token * num_layers
+
+
+class DecodeBench:
+    """Sequences of a given context over random caches; times graph replays of one step."""
+
+    def __init__(self, model, max_batch: int, max_context: int):
+        self.model = model
+        self.max_blocks = max_context // BLOCK + 2
+        self.runner = ModelRunner(model, max_batch * self.max_blocks + 1, BLOCK, CUDA, 0,
+                                  max_context)
+        for cache in self.runner.model.kv_caches + self.runner.model.index_caches:
+            cache.normal_()
+
+    def inputs(self, batch: int, context: int, tokens_per_seq: int):
+        tables = (torch.arange(batch * self.max_blocks, device=CUDA, dtype=torch.int32)
+                  .view(batch, self.max_blocks) + 1)[:, : (context + tokens_per_seq) // BLOCK + 1]
+        positions = (context + torch.arange(tokens_per_seq, device=CUDA)).repeat(batch)
+        seq = torch.arange(batch, device=CUDA).repeat_interleave(tokens_per_seq)
+        slots = tables[seq, positions // BLOCK].long() * BLOCK + positions % BLOCK
+        ids = torch.randint(0, 129280, (batch * tokens_per_seq,), device=CUDA)
+        return ids, positions, slots, tables
+
+    def graph_ms(self, graphs: DecodeGraphs, batch: int, context: int, q: int, reps=20) -> float:
+        args = self.inputs(batch, context, q)
+        graphs.run(*args, q)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graphs.run(*args, q)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    def graphs(self, pdl: bool, max_batch: int) -> DecodeGraphs:
+        with_pdl(pdl)
+        return DecodeGraphs(self.model, max_batch, self.max_blocks, CUDA)
+
+    def round_ms(self, batch: int, context: int, k: int, share: bool, reps: int = 5) -> float:
+        """A whole MTP round through the runner: verify 1 + k, draft step 0, steps 1..k-1."""
+        tables = self.inputs(batch, context, k + 1)[3].cpu().tolist()
+        seqs = [SeqWork(f"r{b}", [5] + [7] * k, context, tables[b], k, True, SamplingSpec())
+                for b in range(batch)]
+        step = StepInput(seqs, k, share)
+        self.runner.execute(step)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            self.runner.execute(step)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / reps
+
+
+def transformers_step_ms(model, config, prompt_len: int = 1024, new_tokens: int = 8) -> float:
+    """transformers' DeepseekV32ForCausalLM.generate on our very tensors (no copy), batch 1."""
+    from transformers import DeepseekV32ForCausalLM as HF
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32RotaryEmbedding
+
+    with torch.device("meta"):
+        hf = HF(config)
+    ours = dict(model.named_parameters())
+    for name, _ in list(hf.named_parameters()) + list(hf.named_buffers()):
+        if "rotary_emb" in name:
+            continue
+        if name.endswith("experts.gate_up_proj"):
+            t = ours[name.replace("gate_up_proj", "w13")]
+        elif name.endswith("experts.down_proj"):
+            t = ours[name.replace("down_proj", "w2")]
+        elif re.search(r"mlp(\.shared_experts)?\.(gate|up)_proj\.weight$", name):
+            fused = ours[re.sub(r"\.(gate|up)_proj\.weight$", ".gate_up_proj.weight", name)]
+            half = fused.shape[0] // 2
+            t = fused[:half] if name.endswith("gate_proj.weight") else fused[half:]
+        else:
+            t = ours[name]
+        module_name, _, leaf = name.rpartition(".")
+        module = hf.get_submodule(module_name)
+        if leaf in module._parameters:
+            module._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+        else:
+            module._buffers[leaf] = t
+    hf.model.rotary_emb = DeepseekV32RotaryEmbedding(config).to(CUDA)
+    hf.eval()
+    ids = torch.randint(0, config.vocab_size, (1, prompt_len), device=CUDA)
+    timings = {}
+    for n in (1, new_tokens):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        timings[n] = time.perf_counter() - start
+    return (timings[new_tokens] - timings[1]) * 1e3 / (new_tokens - 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+    lines = []
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "?")
+    emit(f"device {torch.cuda.get_device_name()}, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC,"
+         f" commit {commit}, torch {torch.__version__}")
+    bw = copy_bandwidth_gbs()
+    emit(f"copy bandwidth {bw:.0f} GB/s")
+    config = slice_config(args.layers)
+    model = build_model(config)
+    emit(f"slice: {args.layers} layers (1 dense + {args.layers - 1} MoE) + MTP, "
+         f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params")
+    bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
+    graphs = {pdl: bench.graphs(pdl, max(BATCHES)) for pdl in (True, False)}
+
+    emit("\n| batch | context | step ms (PDL) | step ms (no PDL) | PDL gain | tok/s | HBM floor ms"
+         " | x floor |")
+    emit("|---|---|---|---|---|---|---|---|")
+    per_layer = {}
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            times = {pdl: (with_pdl(pdl), bench.graph_ms(graphs[pdl], batch, context, 1))[1]
+                     for pdl in (True, False)}
+            wb = weight_bytes(model, batch)
+            floor = (wb["layers"] + wb["head"] + kv_bytes(config, batch, context, args.layers)) \
+                / (bw * 1e6)
+            emit(f"| {batch} | {context} | {times[True]:.2f} | {times[False]:.2f} | "
+                 f"{(1 - times[True] / times[False]) * 100:.1f}% | {batch / times[True] * 1e3:.0f}"
+                 f" | {floor:.2f} | {times[True] / floor:.2f} |")
+            per_layer[(batch, context)] = times[True]
+    with_pdl(True)
+
+    # Per-layer time: the same step with only the first 2 layers (dense + 1 MoE).
+    layers = model.model.layers
+    model.model.layers = layers[:2]
+    short = bench.graphs(True, 1)
+    t2 = bench.graph_ms(short, 1, 1024, 1)
+    model.model.layers = layers
+    t_full = per_layer[(1, 1024)]
+    t_moe = (t_full - t2) / (args.layers - 2)
+    t_61 = t2 + t_moe * (61 - 2)
+    emit(f"\nbatch 1, context 1k: {args.layers} layers {t_full:.2f} ms, 2 layers {t2:.2f} ms -> "
+         f"{t_moe:.3f} ms per MoE layer; a 61-layer model ~{t_61:.1f} ms/step "
+         f"({1e3 / t_61:.0f} tok/s without MTP)")
+
+    bench.runner.graphs = graphs[True]  # the engine's configuration: graphs with PDL
+    emit("\n| k | share top-k | round ms (b=1, 1k) | round ms (b=8, 1k) |")
+    emit("|---|---|---|---|")
+    for k in (1, 2, 3):
+        for share in (False, True):
+            r1 = bench.round_ms(1, 1024, k, share)
+            r8 = bench.round_ms(8, 1024, k, share)
+            emit(f"| {k} | {share} | {r1:.2f} | {r8:.2f} |")
+
+    plain = bench.round_ms(1, 1024, 0, False)  # k = 0: one graph replay plus host work
+    emit(f"\nengine step without MTP (b=1, 1k, whole runner step): {plain:.2f} ms")
+
+    os.environ["MTPSERVE_FORCE_REFERENCE"] = "1"
+    try:
+        ids, positions, slots, tables = bench.inputs(1, 1024, 1)
+        from workers.attention_metadata import AttentionMetadata
+
+        meta = lambda: AttentionMetadata(positions, slots, torch.zeros_like(positions), tables)  # noqa
+        with torch.no_grad():
+            model.compute_logits(model(ids, meta()))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(3):
+                model.compute_logits(model(ids, meta()))
+            torch.cuda.synchronize()
+        emit(f"twins (pure torch, eager), b=1, 1k: {(time.perf_counter() - start) * 1e3 / 3:.1f}"
+             " ms/step")
+    finally:
+        os.environ.pop("MTPSERVE_FORCE_REFERENCE", None)
+
+    if not args.skip_transformers:
+        hf_ms = transformers_step_ms(model, config)
+        emit(f"transformers generate, b=1, 1k prompt: {hf_ms:.1f} ms/step; ours (graph, PDL) "
+             f"{per_layer[(1, 1024)]:.2f} ms/step: {hf_ms / per_layer[(1, 1024)]:.1f}x")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
