@@ -1,0 +1,148 @@
+"""`ray job submit` of the batch job against a Ray head this test starts, interrupted and rerun.
+
+The head is a separate `ray start --head --block` process in its own session (own ports, own
+temp dir) so it never touches the test session's Ray; it is stopped by signalling its process
+group, never with `ray stop` (which would kill every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import free_port
+
+pytestmark = pytest.mark.timeout(420)
+
+PROMPTS = [f"Item {i}: the quick brown fox" for i in range(8)]
+MAX_TOKENS = 160  # long enough (~2 s a request on 2 cores) to interrupt the job mid-way
+BIN_DIR = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def job_head():
+    """A fresh single-node Ray head with the dashboard (job server); yields its HTTP address."""
+    temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")
+    dashboard_port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled",
+           "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    command = [
+        str(BIN_DIR / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+        "--num-cpus", "1", "--temp-dir", temp_dir,
+        "--port", str(free_port()), "--dashboard-host", "127.0.0.1",
+        "--dashboard-port", str(dashboard_port), "--include-dashboard", "true",
+        "--dashboard-agent-listen-port", str(free_port()),
+        "--dashboard-agent-grpc-port", str(free_port()),
+        "--metrics-export-port", str(free_port()),
+        "--runtime-env-agent-port", str(free_port()),
+        "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
+        "--ray-client-server-port", str(free_port()),
+    ]
+    log = open(Path(temp_dir) / "ray-start.log", "w")
+    head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert head.poll() is None, Path(log.name).read_text()
+            try:
+                if httpx.get(f"{address}/api/version", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "job head did not come up"
+            time.sleep(1)
+        yield address, env
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(head.pid, sig)
+                head.wait(timeout=wait_s)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        log.close()
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a torn line from the interrupted writer
+    return rows
+
+
+def _job(address: str, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN_DIR / "ray"), "job", *args], env={**env, "RAY_ADDRESS": address},
+        capture_output=True, text=True, timeout=300, check=check,
+    )
+
+
+def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path):
+    from cluster.llm import LLM
+    from cluster.sampling_params import SamplingParams
+
+    address, env = job_head
+    input_path, output_path = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    lines = [json.dumps({"id": f"p{i}", "prompt": p, "max_tokens": MAX_TOKENS,
+                         "temperature": 0.0, "ignore_eos": True}) for i, p in enumerate(PROMPTS)]
+    lines.insert(3, "{this is not json")
+    input_path.write_text("\n".join(lines) + "\n")
+    entrypoint = [
+        "--", sys.executable, "-m", "deploy.batch", "--input", str(input_path),
+        "--output", str(output_path), "--model", tiny_model_dir, "--device", "cpu",
+        "--concurrency", "1",
+    ]
+
+    # Run 1: interrupted (`ray job stop`) once some rows are on disk.
+    from ray.job_submission import JobSubmissionClient
+
+    jobs = JobSubmissionClient(address)
+    job_id = f"batch-interrupted-{os.getpid()}-{time.monotonic_ns()}"
+    _job(address, env, "submit", "--no-wait", "--submission-id", job_id, *entrypoint)
+    deadline = time.monotonic() + 240
+    while sum(r.get("error") is None for r in _rows(output_path)) < 1:
+        assert time.monotonic() < deadline, _job(address, env, "logs", job_id).stdout
+        time.sleep(0.05)
+    jobs.stop_job(job_id)
+    while not jobs.get_job_status(job_id).is_terminal():
+        assert time.monotonic() < deadline, "job did not stop"
+        time.sleep(0.2)
+    done_before = {r["id"] for r in _rows(output_path) if r.get("error") is None}
+
+    # Run 2: to completion; skips what run 1 finished, fails (exit != 0) because of the bad line.
+    rerun = _job(address, env, "submit", *entrypoint, check=False)
+    logs = rerun.stdout + rerun.stderr
+    assert 1 <= len(done_before) < len(PROMPTS), "the interruption came too late to test resuming"
+    assert f"{len(done_before)} already done" in logs, logs
+    assert "entrypoint command failed with exit code 1" in logs, logs
+
+    rows = _rows(output_path)
+    good = [r for r in rows if r.get("error") is None]
+    assert sorted(r["id"] for r in good) == sorted(f"p{i}" for i in range(len(PROMPTS)))
+    bad = [r for r in rows if r.get("error") is not None]
+    assert bad and {r["id"] for r in bad} == {"line-4"} and "invalid JSON" in bad[0]["error"]
+
+    # Values: every row equals offline greedy decoding of its prompt.
+    reference = LLM(tiny_model_dir, device="cpu").generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
+    by_id = {r["id"]: r for r in good}
+    for i, out in enumerate(reference):
+        assert by_id[f"p{i}"]["completion_token_ids"] == out.token_ids
+        assert by_id[f"p{i}"]["text"] == out.text
