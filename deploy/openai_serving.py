@@ -164,10 +164,13 @@ def completion_logprobs(
         token = _token_text(tokenizer, entry["token_id"])
         result.tokens.append(token)
         result.token_logprobs.append(float(entry["logprob"]))
-        top = entry.get("top") or []
-        result.top_logprobs.append(
-            {_token_text(tokenizer, tid): float(lp) for tid, lp in top} if top else None
-        )
+        top_by_text: dict[str, float] = {}
+        for tid, lp in entry.get("top") or []:
+            # Keyed by text, two tokens can collide (e.g. partial UTF-8 bytes both decode to
+            # U+FFFD); keep the likelier one, as the list is not guaranteed to be sorted.
+            text = _token_text(tokenizer, tid)
+            top_by_text[text] = max(float(lp), top_by_text.get(text, float("-inf")))
+        result.top_logprobs.append(top_by_text or None)
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
