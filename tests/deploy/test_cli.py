@@ -1,0 +1,45 @@
+"""`mtpserve` console script: make-tiny-model and generate --json, checked against `LLM`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+MTPSERVE = str(Path(sys.executable).parent / "mtpserve")
+
+
+def test_make_tiny_model_is_deterministic(tmp_path):
+    for name in ("a", "b"):
+        subprocess.run([MTPSERVE, "make-tiny-model", str(tmp_path / name), "--seed", "3"],
+                       check=True, capture_output=True, timeout=120)
+    a = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_generate_json_with_mtp_equals_greedy_without(tiny_model_dir):
+    from cluster.llm import LLM
+    from cluster.sampling_params import SamplingParams
+
+    prompt = "Once upon a time"
+    done = subprocess.run(
+        [MTPSERVE, "generate", "--model", tiny_model_dir, "--prompt", prompt, "--max-tokens",
+         "12", "--temperature", "0", "--num-draft-tokens", "2", "--device", "cpu", "--json"],
+        check=True, capture_output=True, text=True, timeout=150,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    [reference] = LLM(tiny_model_dir, device="cpu").generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12)
+    )
+    # MTP is lossless under greedy decoding: same tokens as plain decoding.
+    assert result["prompt_token_ids"] == reference.prompt_token_ids
+    assert result["completion_token_ids"] == reference.token_ids
+    assert result["text"] == reference.text
+    assert 1.0 <= result["mean_tokens_per_round"] <= 3.0
+    assert len(result["acceptance_per_position"]) == 2
+    assert all(0.0 <= a <= 1.0 for a in result["acceptance_per_position"])
