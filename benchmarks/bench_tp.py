@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from cluster.engine import LLMEngine
 from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
 from cluster.sampling_params import SamplingParams
 from workers.default_model import tiny_model_path
 
@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--actor-num-cpus", type=float, default=None,
                     help="CPU request per rank (default: 1 on GPU, 0.5 on CPU)")
     ap.add_argument("--broadcast-iters", type=int, default=200)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     model = args.model or tiny_model_path()
@@ -122,7 +123,8 @@ def main() -> None:
     actor_cpus = args.actor_num_cpus or (1.0 if on_gpu else 0.5)
     base = EngineConfig(model=model, device=args.device, dtype=args.dtype,
                         num_draft_tokens=args.num_draft_tokens, share_topk=args.share_topk,
-                        actor_num_cpus=actor_cpus, step_timeout_s=600)
+                        actor_num_cpus=actor_cpus, step_timeout_s=600,
+                        enforce_eager=args.enforce_eager)
     from workers.loader import load_config
 
     model_config = load_config(model)
@@ -132,7 +134,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     print(f"model={model} device={'cuda' if on_gpu else 'cpu'} prompts={args.num_prompts}x"
           f"{args.prompt_len} max_tokens={args.max_tokens} k={args.num_draft_tokens} "
-          f"share_topk={args.share_topk} index_topk={model_config.index_topk}")
+          f"share_topk={args.share_topk} index_topk={model_config.index_topk} "
+          f"cuda_graphs={on_gpu and not args.enforce_eager}")
     print(f"{'layout':<34} {'decode step ms':>15} {'tok/s':>9} {'same as TP=1':>13}")
     reference = None
     for tp, ep, broadcast, label in LAYOUTS:

@@ -72,6 +72,8 @@ class RayExecutor(Executor):
             gpu_memory_utilization=config.gpu_memory_utilization,
             cpu_threads=config.cpu_threads, topk_src_rank=config.topk_src_rank,
             collective_timeout_s=config.step_timeout_s,
+            cuda_graph_max_batch=config.cuda_graph_max_batch,
+            max_model_len=config.max_model_len or 8192,
         )
         actor_cls = ray.remote(WorkerActor)
         try:

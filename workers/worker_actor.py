@@ -39,6 +39,8 @@ class WorkerSpec:
     cpu_threads: int | None
     topk_src_rank: int | None  # see workers.model.Indexer.src_tp_rank
     collective_timeout_s: float  # every collective of the group; a hung peer becomes an error
+    cuda_graph_max_batch: int = 0  # 0: eager decode steps
+    max_model_len: int = 8192
 
 
 class WorkerActor:
@@ -65,6 +67,7 @@ class WorkerActor:
             s.model, self.device.type, s.dtype, s.num_kv_blocks, s.block_size_tokens,
             enable_mtp=True, gpu_memory_utilization=s.gpu_memory_utilization,
             cpu_threads=s.cpu_threads, topk_src_rank=s.topk_src_rank,
+            cuda_graph_max_batch=s.cuda_graph_max_batch, max_model_len=s.max_model_len,
         )
         return self.worker.num_kv_blocks, self.worker.has_mtp
 

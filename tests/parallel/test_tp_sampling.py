@@ -29,8 +29,8 @@ def _seeded(i: int):
 
 
 def test_sampling_uses_rank0_tokens_on_every_rank(ray_local, tiny_model_dir, prompts):
-    from cluster.engine import LLMEngine
     from cluster.config import EngineConfig
+    from cluster.engine import LLMEngine
 
     ray = ray_local
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
