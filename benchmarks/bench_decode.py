@@ -57,6 +57,7 @@ def slice_config(num_layers: int):
 def build_model(config) -> DeepseekV32ForCausalLM:
     with torch.device(CUDA):
         model = DeepseekV32ForCausalLM(config, dtype=BF16, with_mtp=True)
+    model.rotary.to(CUDA)  # its buffers are computed on the CPU
     model.mtp.embed_tokens = model.model.embed_tokens
     model.mtp.shared_head.head = model.lm_head
     gen = torch.Generator(CUDA).manual_seed(0)
@@ -199,7 +200,7 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "?")
-    emit(f"device {torch.cuda.get_device_name()}, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC,"
+    emit(f"device {torch.cuda.get_device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC,"
          f" commit {commit}, torch {torch.__version__}")
     bw = copy_bandwidth_gbs()
     emit(f"copy bandwidth {bw:.0f} GB/s")

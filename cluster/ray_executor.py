@@ -73,7 +73,7 @@ class RayExecutor(Executor):
             cpu_threads=config.cpu_threads, topk_src_rank=config.topk_src_rank,
             collective_timeout_s=config.step_timeout_s,
             cuda_graph_max_batch=config.cuda_graph_max_batch,
-            max_model_len=config.max_model_len or 8192,
+            max_model_len=config.max_model_len or 8192, max_num_seqs=config.max_num_seqs,
         )
         actor_cls = ray.remote(WorkerActor)
         try:

@@ -39,7 +39,7 @@ class Worker:
         num_kv_blocks: int | None = None, block_size_tokens: int = 64,
         enable_mtp: bool = True, gpu_memory_utilization: float = 0.85, local_rank: int = 0,
         cpu_threads: int | None = None, topk_src_rank: int | None = None,
-        cuda_graph_max_batch: int = 0, max_model_len: int = 8192,
+        cuda_graph_max_batch: int = 0, max_model_len: int = 8192, max_num_seqs: int = 64,
     ):
         from workers.loader import load_model
 
@@ -53,7 +53,9 @@ class Worker:
         self.model, self.config = load_model(model_dir, self.dtype, self.device, enable_mtp)
         self.model.set_topk_source(topk_src_rank)
         if num_kv_blocks is None:
-            num_kv_blocks = self._kv_blocks_from_memory(block_size_tokens, gpu_memory_utilization)
+            num_kv_blocks = self._kv_blocks_from_memory(
+                block_size_tokens, gpu_memory_utilization, max_num_seqs, max_model_len
+            )
         self.num_kv_blocks = num_kv_blocks
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size_tokens, self.device,
                                   cuda_graph_max_batch, max_model_len)
@@ -62,16 +64,23 @@ class Worker:
     def has_mtp(self) -> bool:
         return self.model.mtp is not None
 
-    def _kv_blocks_from_memory(self, block_size_tokens: int, utilization: float) -> int:
+    def _kv_blocks_from_memory(
+        self, block_size_tokens: int, utilization: float, max_num_seqs: int, max_model_len: int
+    ) -> int:
+        """Blocks for max_num_seqs full-length sequences, or what free memory allows if less;
+        never fewer than one full-length sequence needs."""
+        per_seq = -(-(max_model_len + 16) // block_size_tokens)  # + drafts and lookahead
+        wanted = max_num_seqs * per_seq + 1
         if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_BLOCKS
+            return min(wanted, CPU_DEFAULT_KV_BLOCKS)
         free, total = torch.cuda.mem_get_info(self.device)
-        # Leave room for activations: utilization of total minus what is used already.
+        # Leave room for activations and graphs: utilization of total minus what is in use.
         budget = max(0, int(total * utilization) - (total - free))
         per_block = cache_bytes_per_block(self.config, block_size_tokens, self.dtype, self.has_mtp)
-        blocks = budget // per_block
-        logger.info("KV cache: %d blocks of %d tokens (%.1f GiB)", blocks, block_size_tokens,
-                    blocks * per_block / 2**30)
+        blocks = max(min(budget // per_block, wanted), per_seq + 1)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB; GPU free %.1f of %.1f GiB)",
+                    blocks, block_size_tokens, blocks * per_block / 2**30, free / 2**30,
+                    total / 2**30)
         return int(blocks)
 
     def execute(self, step: StepInput) -> StepOutput:

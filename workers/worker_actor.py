@@ -41,6 +41,7 @@ class WorkerSpec:
     collective_timeout_s: float  # every collective of the group; a hung peer becomes an error
     cuda_graph_max_batch: int = 0  # 0: eager decode steps
     max_model_len: int = 8192
+    max_num_seqs: int = 64
 
 
 class WorkerActor:
@@ -68,6 +69,7 @@ class WorkerActor:
             enable_mtp=True, gpu_memory_utilization=s.gpu_memory_utilization,
             cpu_threads=s.cpu_threads, topk_src_rank=s.topk_src_rank,
             cuda_graph_max_batch=s.cuda_graph_max_batch, max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
         )
         return self.worker.num_kv_blocks, self.worker.has_mtp
 
