@@ -49,8 +49,14 @@ def run_config(model_dir, prompts, k, share, args) -> dict:
     from cluster.sampling_params import SamplingParams
 
     # A fixed KV pool: sizing from free memory would see the previous engine's caches.
-    llm = LLM(model_dir, num_draft_tokens=k, share_topk=share, dtype=args.dtype,
-              device=args.device, num_kv_blocks=args.num_kv_blocks)
+    llm = LLM(
+        model_dir,
+        num_draft_tokens=k,
+        share_topk=share,
+        dtype=args.dtype,
+        device=args.device,
+        num_kv_blocks=args.num_kv_blocks,
+    )
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     if args.device == "cuda":
@@ -68,23 +74,30 @@ def run_config(model_dir, prompts, k, share, args) -> dict:
     del llm
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return dict(
-        k=k, share_topk=share, tokens=[list(o.token_ids) for o in outs],
-        mean_tokens_per_round=spec.mean_tokens_per_round,
-        acceptance_per_position=spec.acceptance_per_position, tok_s=num_tokens / wall,
-        wall_s=wall,
-    )
+    return {
+        "k": k,
+        "share_topk": share,
+        "tokens": [list(o.token_ids) for o in outs],
+        "mean_tokens_per_round": spec.mean_tokens_per_round,
+        "acceptance_per_position": spec.acceptance_per_position,
+        "tok_s": num_tokens / wall,
+        "wall_s": wall,
+    }
 
 
 def table(results: list[dict], base_tokens) -> str:
-    lines = ["| k | share_topk | acceptance per position | mean tokens/round | = MTP off | tok/s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| k | share_topk | acceptance per position | mean tokens/round | = MTP off | tok/s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         acc = ", ".join(f"{a:.3f}" for a in r["acceptance_per_position"]) or "-"
         same = "yes" if r["tokens"] == base_tokens else "NO"
         mtpr = f"{r['mean_tokens_per_round']:.3f}" if r["k"] else "1 (off)"
-        lines.append(f"| {r['k']} | {'on' if r['share_topk'] else 'off'} | {acc} | {mtpr} | "
-                     f"{same} | {r['tok_s']:.1f} |")
+        lines.append(
+            f"| {r['k']} | {'on' if r['share_topk'] else 'off'} | {acc} | {mtpr} | "
+            f"{same} | {r['tok_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -113,20 +126,34 @@ def main(argv=None) -> None:
     results = []
     for k, share in CONFIGS:
         r = run_config(model_dir, prompts, k, share, args)
-        print(f"k={k} share={share}: {r['mean_tokens_per_round']:.3f} tokens/round, "
-              f"acc {r['acceptance_per_position']}, {r['tok_s']:.1f} tok/s", flush=True)
+        print(
+            f"k={k} share={share}: {r['mean_tokens_per_round']:.3f} tokens/round, "
+            f"acc {r['acceptance_per_position']}, {r['tok_s']:.1f} tok/s",
+            flush=True,
+        )
         results.append(r)
     base = results[0]["tokens"]
-    device_name = (torch.cuda.get_device_name() if args.device == "cuda"
-                   else f"CPU ({os.cpu_count()} cores)")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    device_name = (
+        torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    )
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, check=False, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python -m benchmarks.bench_mtp " + " ".join(argv or os.sys.argv[1:])
-    report = [f"Command: `{cmd}`; device: {device_name}, dtype {args.dtype}; date {date}; "
-              f"commit {commit}. {len(prompts)} prompts of {args.prompt_tokens} tokens "
-              f"(+bos) from held-out files {', '.join(f for f, _ in named)}; "
-              f"{args.max_tokens} greedy tokens each, batched.", "", table(results, base)]
+    report = [
+        (
+            f"Command: `{cmd}`; device: {device_name}, dtype {args.dtype}; date {date}; "
+            f"commit {commit}. {len(prompts)} prompts of {args.prompt_tokens} tokens "
+            f"(+bos) from held-out files {', '.join(f for f, _ in named)}; "
+            f"{args.max_tokens} greedy tokens each, batched."
+        ),
+        "",
+        table(results, base),
+    ]
     if args.completions:
         report += ["", "Greedy completions (MTP k=3), prompt tail then `⟨completion⟩`:", ""]
         for (rel, ids), toks in list(zip(named, results[4]["tokens"]))[: args.completions]:
@@ -139,7 +166,7 @@ def main(argv=None) -> None:
             f.write(text + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(results=results, prompts=named), f)
+            json.dump({"results": results, "prompts": named}, f)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
     for name, t in model.state_dict().items():
         t = t.detach().cpu()
         if name.startswith("mtp."):
-            name = f"model.layers.{n}." + name[len("mtp."):]
+            name = f"model.layers.{n}." + name[len("mtp.") :]
         if name.endswith("experts.w13"):
             base = name[: -len("w13")]
             for e in range(t.shape[0]):
@@ -39,8 +39,10 @@ def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
                 out[f"{base}{e}.down_proj.weight"] = t[e]
             continue
         out[name] = t
-    return {k: (v.float() if k.endswith(FP32_SUFFIXES) else v.to(torch.bfloat16)).contiguous()
-            for k, v in out.items()}
+    return {
+        k: (v.float() if k.endswith(FP32_SUFFIXES) else v.to(torch.bfloat16)).contiguous()
+        for k, v in out.items()
+    }
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: str) -> list[str]:
@@ -64,8 +66,12 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: str) -> list[st
         files.append(fname)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1,
-                  sort_keys=True)
+        json.dump(
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+            f,
+            indent=1,
+            sort_keys=True,
+        )
     return files
 
 
@@ -75,8 +81,11 @@ def export(model, config_dict: dict, tokenizer_dir: str, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     config = DeepseekV32Config(**config_dict)
     config.save_pretrained(out_dir)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    ).save_pretrained(out_dir)
     write_safetensors(checkpoint_tensors(model), out_dir)
     for fname in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, fname), os.path.join(out_dir, fname))
@@ -97,7 +106,7 @@ def load_training_model(model_dir: str):
     experts: dict[str, dict] = {}
     for name, t in iter_tensors(checkpoint_files(model_dir)):
         if name.startswith(f"model.layers.{n}."):
-            name = "mtp." + name[len(f"model.layers.{n}."):]
+            name = "mtp." + name[len(f"model.layers.{n}.") :]
         if ".mlp.experts." in name:
             base, rest = name.split(".mlp.experts.")
             e, kind = rest.split(".")[0], rest.split(".")[1]
@@ -107,7 +116,8 @@ def load_training_model(model_dir: str):
     for base, parts in experts.items():
         num = cfg.n_routed_experts
         ours[f"{base}.mlp.experts.w13"] = torch.stack(
-            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(num)])
+            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(num)]
+        )
         ours[f"{base}.mlp.experts.w2"] = torch.stack([parts[(e, "down_proj")] for e in range(num)])
     model.load_state_dict(ours, strict=True)
     return model

@@ -103,7 +103,9 @@ class MLAAttention(nn.Module):
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.h * (self.nope + self.rope), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            cfg.hidden_size, cfg.kv_lora_rank + self.rope, bias=False
+        )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.h * (self.nope + self.vdim), bias=False)
         self.o_proj = nn.Linear(self.h * self.vdim, cfg.hidden_size, bias=False)
@@ -120,14 +122,26 @@ class MLAAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope, self.rope], -1)
         q_rope = rope_interleaved(q_rope, cos[:, None], sin[:, None])
         kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(b, s, self.h, self.nope + self.vdim)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(
+            b, s, self.h, self.nope + self.vdim
+        )
         k_nope, v = kv.split([self.nope, self.vdim], -1)
         # The indexer learns only from its own loss: its inputs are cut from the graph.
         x_d, q_latent_d = x.detach(), q_latent.detach()
         own = Keys(k_nope, rope_interleaved(k_rope, cos, sin), v, self.indexer.keys(x_d, cos, sin))
-        keys = own if ctx is None else Keys(*(torch.cat([c, o], 1) for c, o in zip(
-            (ctx.k_nope, ctx.k_rope, ctx.v, ctx.index_k),
-            (own.k_nope, own.k_rope, own.v, own.index_k))))
+        keys = (
+            own
+            if ctx is None
+            else Keys(
+                *(
+                    torch.cat([c, o], 1)
+                    for c, o in zip(
+                        (ctx.k_nope, ctx.k_rope, ctx.v, ctx.index_k),
+                        (own.k_nope, own.k_rope, own.v, own.index_k),
+                    )
+                )
+            )
+        )
         index = self.indexer.scores(x_d, q_latent_d, keys.index_k, cos, sin)  # [B, S, T]
         index = index.masked_fill(~allowed, float("-inf"))
         if sparse and index.shape[-1] > self.indexer.topk:
@@ -136,8 +150,10 @@ class MLAAttention(nn.Module):
             selected &= allowed  # rows with fewer allowed keys than topk: all of them
         else:
             selected = allowed.expand_as(index)
-        logits = (torch.einsum("bshd,bthd->bhst", q_nope, keys.k_nope)
-                  + torch.einsum("bshd,btd->bhst", q_rope, keys.k_rope)).float() * self.scale
+        logits = (
+            torch.einsum("bshd,bthd->bhst", q_nope, keys.k_nope)
+            + torch.einsum("bshd,btd->bhst", q_rope, keys.k_rope)
+        ).float() * self.scale
         logits = logits.masked_fill(~selected[:, None], float("-inf"))
         probs = logits.softmax(-1)  # [B, H, S, T] fp32
         out = torch.einsum("bhst,bthd->bshd", probs.to(v.dtype), keys.v).reshape(b, s, -1)
@@ -228,12 +244,14 @@ class MoE(nn.Module):
         out = routed.view(b, s, d) + self.shared_experts(x)
         with torch.no_grad():
             load = torch.zeros(e, device=x.device).scatter_add_(
-                0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device))
+                0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device)
+            )
             self.last_load = load if self.last_load is None else self.last_load + load
         # Sequence-wise balance loss (DeepSeek-V3 eq. 17-20), weighted by alpha outside.
         k = c.num_experts_per_tok
         counts = torch.zeros(b, e, device=x.device).scatter_add_(
-            1, ids.view(b, s * k), torch.ones(b, s * k, device=x.device))
+            1, ids.view(b, s * k), torch.ones(b, s * k, device=x.device)
+        )
         f = counts * e / (k * s)
         p = (scores / scores.sum(-1, keepdim=True)).view(b, s, e).mean(1)
         return out, (f * p).sum(-1).mean()
@@ -249,8 +267,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if is_moe_layer(cfg, layer_idx) else MLP(cfg.hidden_size,
-                                                                       cfg.intermediate_size)
+        self.mlp = (
+            MoE(cfg)
+            if is_moe_layer(cfg, layer_idx)
+            else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
 
     def forward(self, h, cos, sin, allowed, sparse, ctx=None):
         a, keys, aux = self.self_attn(self.input_layernorm(h), cos, sin, allowed, sparse, ctx)
@@ -340,7 +361,7 @@ class DeepseekV32ForTraining(nn.Module):
     def forward(self, tokens: torch.Tensor, sparse: bool, mtp_steps: int = 2) -> Losses:
         """tokens [B, S + 1 + mtp_steps]: main predicts tokens[:, 1:S+1] from tokens[:, :S];
         MTP step d (1-based) at position i takes token i+d and predicts token i+d+1."""
-        b, total = tokens.shape
+        _b, total = tokens.shape
         s = total - 1 - mtp_steps
         cos, sin = self.cos_sin(s, tokens.device)
         causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
@@ -352,17 +373,22 @@ class DeepseekV32ForTraining(nn.Module):
             index_losses.append(aux.index_loss), kls.append(aux.index_kl)
             recalls.append(aux.recall), bals.append(bal)
         h = self.model.norm(h)
-        main = F.cross_entropy(self.lm_head(h).float().flatten(0, 1), tokens[:, 1:s + 1].flatten())
+        main = F.cross_entropy(
+            self.lm_head(h).float().flatten(0, 1), tokens[:, 1 : s + 1].flatten()
+        )
         mtp_losses, accs = [], []
         prev, ctx = h, None
         # Step 2 sees step 1's keys before its own position, and its own key at the diagonal.
-        mixed = torch.cat([causal.tril(-1), torch.eye(s, dtype=torch.bool, device=causal.device)], 1)
+        mixed = torch.cat(
+            [causal.tril(-1), torch.eye(s, dtype=torch.bool, device=causal.device)], 1
+        )
         for d in range(1, mtp_steps + 1):
             allowed = causal if ctx is None else mixed
-            g, keys, aux, bal = self.mtp(embed(tokens[:, d:s + d]), prev, cos, sin, allowed, sparse,
-                                         ctx)
+            g, keys, aux, bal = self.mtp(
+                embed(tokens[:, d : s + d]), prev, cos, sin, allowed, sparse, ctx
+            )
             logits = self.lm_head(g).float()
-            target = tokens[:, d + 1:s + d + 1]
+            target = tokens[:, d + 1 : s + d + 1]
             mtp_losses.append(F.cross_entropy(logits.flatten(0, 1), target.flatten()))
             accs.append((logits.argmax(-1) == target).float().mean())
             index_losses.append(aux.index_loss), kls.append(aux.index_kl)
@@ -370,9 +396,15 @@ class DeepseekV32ForTraining(nn.Module):
             if ctx is None:
                 ctx = keys
             prev = g
-        return Losses(main, mtp_losses, torch.stack(index_losses).sum(),
-                      torch.stack(kls).mean(), torch.stack(recalls).mean(),
-                      torch.stack(bals).sum(), accs)
+        return Losses(
+            main,
+            mtp_losses,
+            torch.stack(index_losses).sum(),
+            torch.stack(kls).mean(),
+            torch.stack(recalls).mean(),
+            torch.stack(bals).sum(),
+            accs,
+        )
 
     @torch.no_grad()
     def update_balance_bias(self, gamma: float) -> None:

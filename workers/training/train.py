@@ -28,46 +28,58 @@ import torch
 from workers.training.export import export
 from workers.training.model import DeepseekV32ForTraining
 
-DEFAULT_CONFIG = dict(
-    vocab_size=4096,
-    hidden_size=320,
-    intermediate_size=896,
-    moe_intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    n_shared_experts=1,
-    n_routed_experts=16,
-    routed_scaling_factor=1.0,
-    kv_lora_rank=96,
-    q_lora_rank=160,
-    qk_rope_head_dim=32,
-    v_head_dim=32,
-    qk_nope_head_dim=32,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    index_topk=128,
-    index_head_dim=64,
-    index_n_heads=8,
-    num_nextn_predict_layers=1,
-    bos_token_id=0,
-    eos_token_id=1,
-    pad_token_id=2,
-    tie_word_embeddings=False,
-)
+DEFAULT_CONFIG = {
+    "vocab_size": 4096,
+    "hidden_size": 320,
+    "intermediate_size": 896,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "n_shared_experts": 1,
+    "n_routed_experts": 16,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 96,
+    "q_lora_rank": 160,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "index_topk": 128,
+    "index_head_dim": 64,
+    "index_n_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 2,
+    "tie_word_embeddings": False,
+}
 # For debugging the script on CPU in seconds; sequences (128) still longer than index_topk (32).
-DEBUG_OVERRIDES = dict(
-    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, kv_lora_rank=32,
-    q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16,
-    max_position_embeddings=128, index_topk=32, index_head_dim=32, index_n_heads=4,
-)
+DEBUG_OVERRIDES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "max_position_embeddings": 128,
+    "index_topk": 32,
+    "index_head_dim": 32,
+    "index_n_heads": 4,
+}
 MTP_STEPS = 2
 
 
@@ -77,7 +89,7 @@ def load_stream(path: str) -> torch.Tensor:
 
 def sample_batch(stream, batch: int, window: int, gen: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, stream.numel() - window, (batch,), generator=gen)
-    return torch.stack([stream[s:s + window] for s in starts.tolist()])
+    return torch.stack([stream[s : s + window] for s in starts.tolist()])
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
@@ -94,13 +106,18 @@ def evaluate(model, stream, seq_len: int, batch: int, device, max_windows: int) 
     windows = stream[: n * window].view(n, window)
     sums = {"main": 0.0, "mtp1": 0.0, "mtp2": 0.0, "acc1": 0.0, "acc2": 0.0, "recall": 0.0}
     for i in range(0, n, batch):
-        chunk = windows[i:i + batch].to(device)
+        chunk = windows[i : i + batch].to(device)
         with autocast(device):
             out = model(chunk, sparse=True, mtp_steps=MTP_STEPS)
         w = chunk.shape[0]
-        for key, val in (("main", out.main), ("mtp1", out.mtp[0]), ("mtp2", out.mtp[1]),
-                         ("acc1", out.mtp_acc[0]), ("acc2", out.mtp_acc[1]),
-                         ("recall", out.index_recall)):
+        for key, val in (
+            ("main", out.main),
+            ("mtp1", out.mtp[0]),
+            ("mtp2", out.mtp[1]),
+            ("acc1", out.mtp_acc[0]),
+            ("acc2", out.mtp_acc[1]),
+            ("recall", out.index_recall),
+        ):
             sums[key] += float(val) * w
     for moe in model.moe_layers():
         moe.last_load = None
@@ -149,9 +166,12 @@ def main(argv=None) -> None:
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
     train = load_stream(os.path.join(a.data, "train.u16"))
     heldout = load_stream(os.path.join(a.data, "heldout.u16"))
     gen = torch.Generator().manual_seed(a.seed)
@@ -171,29 +191,46 @@ def main(argv=None) -> None:
         batch = sample_batch(train, a.batch_size, window, gen).to(device, non_blocking=True)
         with autocast(device):
             out = model(batch, sparse=sparse, mtp_steps=MTP_STEPS)
-        loss = (out.main + lam / MTP_STEPS * sum(out.mtp) + out.index
-                + a.balance_alpha * out.balance)
+        loss = out.main + lam / MTP_STEPS * sum(out.mtp) + out.index + a.balance_alpha * out.balance
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         model.update_balance_bias(a.bias_gamma)
         if step % 50 == 0:
-            rec = dict(step=step, t=round(time.time() - t0, 1), lr=lr, sparse=sparse,
-                       main=float(out.main), mtp1=float(out.mtp[0]), mtp2=float(out.mtp[1]),
-                       acc1=float(out.mtp_acc[0]), acc2=float(out.mtp_acc[1]),
-                       index_kl=float(out.index_kl), recall=float(out.index_recall),
-                       tok_s=round((step + 1) * a.batch_size * seq_len / (time.time() - t0)))
+            rec = {
+                "step": step,
+                "t": round(time.time() - t0, 1),
+                "lr": lr,
+                "sparse": sparse,
+                "main": float(out.main),
+                "mtp1": float(out.mtp[0]),
+                "mtp2": float(out.mtp[1]),
+                "acc1": float(out.mtp_acc[0]),
+                "acc2": float(out.mtp_acc[1]),
+                "index_kl": float(out.index_kl),
+                "recall": float(out.index_recall),
+                "tok_s": round((step + 1) * a.batch_size * seq_len / (time.time() - t0)),
+            }
             log.append(rec)
             print(json.dumps(rec), flush=True)
         step += 1
     train_time = time.time() - t0
     ev = evaluate(model, heldout, seq_len, a.batch_size, device, a.eval_windows)
     ev_train = evaluate(model, train, seq_len, a.batch_size, device, min(a.eval_windows, 100))
-    summary = dict(steps=step, train_time_s=round(train_time, 1),
-                   train_tokens=step * a.batch_size * seq_len, params=num_params,
-                   heldout=ev, train_sample=ev_train, seq_len=seq_len, batch_size=a.batch_size,
-                   lr=a.lr, dense_frac=a.dense_frac, argv=argv or os.sys.argv[1:])
+    summary = {
+        "steps": step,
+        "train_time_s": round(train_time, 1),
+        "train_tokens": step * a.batch_size * seq_len,
+        "params": num_params,
+        "heldout": ev,
+        "train_sample": ev_train,
+        "seq_len": seq_len,
+        "batch_size": a.batch_size,
+        "lr": a.lr,
+        "dense_frac": a.dense_frac,
+        "argv": argv or os.sys.argv[1:],
+    }
     print(json.dumps(summary), flush=True)
     export(model, cfg_dict, os.path.join(a.data, "tokenizer"), a.out)
     with open(os.path.join(a.out, "training_summary.json"), "w") as f:
