@@ -1,0 +1,108 @@
+"""`mtpserve serve` end to end: the real console script starts its own local Ray, deploys the
+app, prints the URL, answers the official `openai` client, and exits 0 on Ctrl-C (SIGINT) with
+none of its Ray processes left behind.
+
+Its Ray is kept apart from the test session's: `RAY_TMPDIR` gives it its own temp root, so every
+process of that Ray carries the root in its command line and can be found (and, on failure,
+stopped) without touching any other Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+MTPSERVE = str(Path(sys.executable).parent / "mtpserve")
+URL_LINE = re.compile(r"mtpserve: serving an OpenAI-compatible API at (http://\S+/v1)")
+
+
+def _processes_under(root: str) -> list[tuple[int, str]]:
+    """(pid, command line) of live processes whose command line names `root`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if root in cmdline and state != "Z":
+            found.append((int(proc.name), cmdline[:200]))
+    return found
+
+
+def _wait_for_url(server: subprocess.Popen, log_path: Path, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if match := URL_LINE.search(log_path.read_text(errors="replace")):
+            return match.group(1)
+        assert server.poll() is None, log_path.read_text(errors="replace")[-4000:]
+        time.sleep(0.5)
+    raise AssertionError("no URL printed:\n" + log_path.read_text(errors="replace")[-4000:])
+
+
+def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(tiny_model_dir, tmp_path):
+    import openai
+
+    from cluster.llm import LLM
+    from cluster.sampling_params import SamplingParams
+
+    ray_root = tempfile.mkdtemp(prefix="mtpserve-cli-", dir="/tmp")  # short: unix socket paths
+    log_path = tmp_path / "serve.log"
+    env = {**os.environ, "RAY_TMPDIR": ray_root, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    port = free_port()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [MTPSERVE, "serve", "--model", tiny_model_dir, "--port", str(port), "--device",
+             "cpu", "--max-num-seqs", "4"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        base_url = _wait_for_url(server, log_path, timeout_s=150)
+        assert base_url == f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+        [model] = client.models.list().data
+        prompt = "The capital of France is"
+        completion = client.completions.create(
+            model=model.id, prompt=prompt, max_tokens=8, temperature=0.0
+        )
+        [reference] = LLM(tiny_model_dir, device="cpu").generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=8)
+        )
+        assert completion.choices[0].text == reference.text
+        assert completion.usage.completion_tokens == len(reference.token_ids) == 8
+        assert completion.usage.prompt_tokens == len(reference.prompt_token_ids)
+
+        assert _processes_under(ray_root), "the CLI's Ray should be running under its own root"
+        server.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        returncode = server.wait(timeout=60)
+        output = log_path.read_text(errors="replace")
+        assert returncode == 0, output[-4000:]
+        assert "mtpserve: shutting down" in output
+        # Ray's own processes (raylet, GCS, workers, agents) may take a moment after the driver.
+        deadline = time.monotonic() + 30
+        while (left := _processes_under(ray_root)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"processes of the CLI's Ray left behind: {left}"
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+        for pid, _ in _processes_under(ray_root):  # only this test's Ray, found by its root
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
