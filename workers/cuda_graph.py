@@ -89,3 +89,89 @@ class DecodeGraphs:
         graph.replay()
         hidden, logits = out
         return hidden[:n], logits[:n]
+
+
+class ProposeGraphs:
+    """CUDA graphs of a whole MTP proposal after a verify step: draft step 0 over up to k + 1
+    pairs per request, then steps 1..k-1 (workers.mtp_proposer.draft_chain), keyed by (batch
+    bucket, k, top-k sharing). Rows of pairs a request does not have write no cache slot."""
+
+    def __init__(self, model, topk_share, decode_graphs: DecodeGraphs):
+        self.model = model
+        self.topk_share = topk_share
+        self.decode = decode_graphs
+        self.device = decode_graphs.device
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+
+    def _buffers(self, batch: int, k: int) -> dict:
+        rows = batch * (k + 1)
+        hidden = self.model.config.hidden_size
+        d = self.device
+        return dict(
+            tokens=torch.zeros(rows, dtype=torch.long, device=d),
+            hidden=torch.zeros(rows, hidden, dtype=self.model.dtype, device=d),
+            positions=torch.zeros(rows, dtype=torch.long, device=d),
+            slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=d),
+            seq_idx=torch.arange(batch, device=d).repeat_interleave(k + 1),
+            block_tables=torch.zeros(batch, self.decode.max_blocks_per_seq, dtype=torch.int32,
+                                     device=d),
+            last_idx=torch.arange(batch, device=d) * (k + 1),
+            valid=torch.zeros(batch, dtype=torch.bool, device=d),
+        )
+
+    def _forward(self, buf: dict, k: int, share: bool) -> torch.Tensor:
+        from workers.mtp_proposer import draft_chain
+
+        meta = AttentionMetadata(buf["positions"], buf["slot_mapping"], buf["seq_idx"],
+                                 buf["block_tables"])
+        return draft_chain(self.model, self.topk_share, buf["tokens"], buf["hidden"], meta,
+                           buf["last_idx"], buf["valid"], k, share)
+
+    def _capture(self, batch: int, k: int, share: bool) -> None:
+        buf = self._buffers(batch, k)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(buf, k, share)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.decode.pool):
+            out = self._forward(buf, k, share)
+        self.decode.pool = graph.pool()
+        self.graphs[(batch, k, share)] = (graph, buf, out)
+
+    def run(
+        self,
+        tokens: list[int],  # [R * (k + 1)] host lists, padded per request to k + 1 rows
+        hidden_rows: list[int],  # rows of `hidden` to take for each pair row
+        positions: list[int],
+        slots: list[int],  # -1 where a request has fewer pairs
+        last_idx: list[int],  # [R]
+        hidden: torch.Tensor,  # the verify step's target hidden states
+        block_tables: torch.Tensor,  # [R, width]
+        k: int,
+        share: bool,
+    ) -> torch.Tensor:
+        """-> drafts [R, k] (device)."""
+        num_seqs = block_tables.shape[0]
+        batch = self.decode.bucket(num_seqs)
+        key = (batch, k, share)
+        if key not in self.graphs:
+            self._capture(batch, k, share)
+        graph, buf, out = self.graphs[key]
+        n = num_seqs * (k + 1)
+        host = torch.tensor([tokens, hidden_rows, positions, slots], dtype=torch.long)
+        host = host.to(self.device, non_blocking=True)
+        buf["tokens"][:n].copy_(host[0])
+        buf["hidden"][:n].copy_(hidden.index_select(0, host[1]))
+        buf["positions"][:n].copy_(host[2])
+        buf["slot_mapping"][:n].copy_(host[3])
+        buf["slot_mapping"][n:].fill_(-1)
+        buf["block_tables"].zero_()
+        buf["block_tables"][:num_seqs, : block_tables.shape[1]].copy_(block_tables)
+        buf["last_idx"][:num_seqs].copy_(torch.tensor(last_idx, device=self.device))
+        buf["valid"].zero_()
+        buf["valid"][:num_seqs] = True
+        graph.replay()
+        return out[:num_seqs]

@@ -18,6 +18,7 @@ from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
 from workers.kv_cache import allocate_kv_caches
+from workers.mtp_proposer import draft_chain
 from workers.sampler import token_logprobs, verify_and_sample
 from workers.topk_share import DraftTopkShare
 
@@ -51,12 +52,15 @@ class ModelRunner:
         self.states: dict[str, _SeqState] = {}
         self.topk_share = DraftTopkShare()
         self.graphs = None
+        self.propose_graphs = None
         if device.type == "cuda" and cuda_graph_max_batch > 0:
-            from workers.cuda_graph import DecodeGraphs
+            from workers.cuda_graph import DecodeGraphs, ProposeGraphs
 
             # Room for the verify's drafts and the draft steps' lookahead past max_model_len.
             max_blocks = -(-(max_model_len + 16) // block_size_tokens)
             self.graphs = DecodeGraphs(model, cuda_graph_max_batch, max_blocks, device)
+            if model.mtp is not None:
+                self.propose_graphs = ProposeGraphs(model, self.topk_share, self.graphs)
 
     @property
     def has_mtp(self) -> bool:
@@ -178,6 +182,9 @@ class ModelRunner:
 
     def _propose(self, step, seqs, states, tables, hidden, offsets, results) -> None:
         """Draft step 0 over every newly known (h_i, t_{i+1}) pair, then steps 1..k-1."""
+        no_pending = all(state.pending_hidden is None for state in states)
+        if self.propose_graphs is not None and self._graphable(seqs) and no_pending:
+            return self._propose_graphed(step, seqs, tables, hidden, offsets, results)
         pair_rows, pair_tokens, pair_hidden = [], [], []
         last_row = {}  # seq index -> row of its last accepted token in the step-0 batch
         for i, (s, state, res) in enumerate(zip(seqs, states, results)):
@@ -203,23 +210,37 @@ class ModelRunner:
                 state.pending_hidden, state.pending_position = hidden[base + len(s.token_ids) - 1], end
         if not last_row:
             return
-        meta = self._metadata(pair_rows, tables)
-        with self.topk_share.prefill(step.share_topk):
-            mtp_hidden = self.model.mtp_forward(
-                torch.tensor(pair_tokens, device=self.device), torch.cat(pair_hidden), meta
-            )
-            shared_rows = self.topk_share.keep_rows(meta, list(last_row.values()))
         seq_ids = list(last_row)
-        g = mtp_hidden[list(last_row.values())]  # [R, hidden]
-        drafts = [self.model.mtp_logits(g).argmax(-1)]
-        positions = [pair_rows[r][1] for r in last_row.values()]
-        with self.topk_share.multi_step_decode(step.share_topk, shared_rows):
-            for j in range(1, step.num_draft_tokens):
-                rows = [(i, p + j) for i, p in zip(seq_ids, positions)]
-                meta = self._metadata(rows, tables)
-                meta.shared_topk = self.topk_share.rows_for_step(j, meta.positions)
-                g = self.model.mtp_forward(drafts[-1], g, meta)
-                drafts.append(self.model.mtp_logits(g).argmax(-1))
-        proposals = torch.stack(drafts, 1).tolist()  # [R, k]
+        last_idx = torch.tensor(list(last_row.values()), device=self.device)
+        drafts = draft_chain(
+            self.model, self.topk_share, torch.tensor(pair_tokens, device=self.device),
+            torch.cat(pair_hidden), self._metadata(pair_rows, tables), last_idx,
+            torch.ones(len(seq_ids), dtype=torch.bool, device=self.device),
+            step.num_draft_tokens, step.share_topk,
+        )
+        proposals = drafts.tolist()  # [R, k]
         for i, tokens in zip(seq_ids, proposals):
             results[i].next_draft_token_ids = tokens
+
+    def _propose_graphed(self, step, seqs, tables, hidden, offsets, results) -> None:
+        """The decode-step proposal through ProposeGraphs: every request is a verify, so its
+        pairs are its accepted drafts plus the target's token (at most k + 1), padded to k + 1."""
+        width = step.num_draft_tokens + 1
+        tokens, hidden_rows, positions, slots, last_idx = [], [], [], [], []
+        table_rows = tables.tolist() if tables.device.type == "cpu" else None
+        for i, (s, res) in enumerate(zip(seqs, results)):
+            num_pairs = res.num_accepted_drafts + 1
+            blocks = s.block_ids if table_rows is None else table_rows[i]
+            for r in range(width):
+                position = s.start_position + r
+                tokens.append(res.sampled_token_ids[r] if r < num_pairs else 0)
+                hidden_rows.append(offsets[i] + min(r, num_pairs - 1))
+                positions.append(position)
+                slot = blocks[position // self.block_size] * self.block_size + \
+                    position % self.block_size
+                slots.append(slot if r < num_pairs else -1)
+            last_idx.append(i * width + num_pairs - 1)
+        drafts = self.propose_graphs.run(tokens, hidden_rows, positions, slots, last_idx, hidden,
+                                         tables, step.num_draft_tokens, step.share_topk)
+        for res, proposal in zip(results, drafts.tolist()):
+            res.next_draft_token_ids = proposal

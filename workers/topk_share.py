@@ -57,12 +57,13 @@ class DraftTopkShare:
         finally:
             self.on_multi_step_decode_end()
 
-    def keep_rows(self, meta: AttentionMetadata, last_rows: list[int]) -> torch.Tensor | None:
-        """Compact the step-0 top-k rows of the requests' last accepted tokens to the front."""
+    def keep_rows(self, meta: AttentionMetadata, last_rows) -> torch.Tensor | None:
+        """Compact the step-0 top-k rows of the requests' last accepted tokens (`last_rows`, a
+        list or a device tensor of row indices) to the front: [R, index_topk]."""
         if not self.capturing or meta.computed_topk is None:
             return None
-        index = torch.tensor(last_rows, device=meta.computed_topk.device)
-        return meta.computed_topk.index_select(0, index).contiguous()  # [R, index_topk]
+        index = torch.as_tensor(last_rows, device=meta.computed_topk.device)
+        return meta.computed_topk.index_select(0, index).contiguous()
 
     def rows_for_step(self, step: int, positions: torch.Tensor) -> torch.Tensor | None:
         """Top-k for draft step `step` (>= 1) at `positions` [R]: the shared row + new positions."""

@@ -46,3 +46,26 @@ def test_gpu_bf16_mtp_with_graphs_is_identical(tiny_model_dir, prompts, k, share
                      share_topk=share_topk)
     assert graphs == eager
     assert mtp == eager
+
+
+def test_gpu_graphed_proposals_match_eager_on_the_trained_model():
+    """Drafts only change speed, so greedy identity cannot see a wrong draft: compare the
+    acceptance of graphed proposals with eager ones on the trained default model."""
+    from workers.default_model import default_model_path
+
+    model = default_model_path()
+    from cluster.llm import LLM as _LLM
+
+    llm = _LLM(model, device="cuda", dtype="float32", enforce_eager=True)
+    prompts = [llm.tokenizer.encode("import os\nimport sys\n\ndef main(argv):\n    ")[:64],
+               llm.tokenizer.encode("class Parser:\n    def __init__(self, text):\n")[:64]]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    stats = {}
+    for eager in (True, False):
+        llm = _LLM(model, device="cuda", dtype="float32", enforce_eager=eager,
+                   num_draft_tokens=3, num_kv_blocks=64)
+        outs = llm.generate(prompts, params)
+        stats[eager] = ([o.token_ids for o in outs], llm.stats().mean_tokens_per_round)
+    assert stats[True][0] == stats[False][0]
+    assert abs(stats[True][1] - stats[False][1]) < 0.05
+    assert stats[False][1] > 1.5
