@@ -176,6 +176,7 @@ def transformers_step_ms(model, config, prompt_len: int = 1024, new_tokens: int 
     hf.model.rotary_emb = DeepseekV32RotaryEmbedding(config).to(CUDA)
     hf.eval()
     ids = torch.randint(0, config.vocab_size, (1, prompt_len), device=CUDA)
+    hf.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
     timings = {}
     for n in (1, new_tokens):
         torch.cuda.synchronize()
