@@ -7,12 +7,20 @@ every actor and replica asks for 0.1 CPU so engine + ingress + a second app fit 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import pytest  # noqa: E402
+import pytest
 
 SMALL_CPU = 0.1
 APP_NAME = "mtpserve"
@@ -94,3 +102,100 @@ def async_client(serve_url):
     return openai.AsyncOpenAI(
         base_url=f"{serve_url}/v1", api_key="unused", max_retries=0, timeout=60
     )
+
+
+BIN_DIR = Path(sys.executable).parent
+
+
+def processes_under(root: str) -> list[tuple[int, str]]:
+    """(pid, command line) of live processes whose command line names `root` (a Ray temp dir:
+    every process of a Ray started under it carries the path)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if root in cmdline and state != "Z":
+            found.append((int(proc.name), cmdline[:200]))
+    return found
+
+
+def kill_processes_under(root: str) -> None:
+    for pid, _ in processes_under(root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class RayHead:
+    """A `ray start --head --block` process of our own (own temp dir, every port chosen free)."""
+
+    dashboard_url: str  # also the job server and Serve's REST API (`serve deploy --address`)
+    gcs_address: str
+    temp_dir: str
+    env: dict[str, str]  # for `ray`/`serve` commands aimed at this head
+    process: subprocess.Popen
+    log_path: Path
+
+
+@contextlib.contextmanager
+def ray_head(num_cpus: float, extra_args: tuple[str, ...] = (), extra_env: dict | None = None,
+             timeout_s: float = 120.0):
+    """Start a fresh single-node Ray head; stop it by signalling its process group, then kill
+    whatever is left under its temp dir; never `ray stop`, which would kill every Ray on the
+    machine (the other tests' and other engineers')."""
+    temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: unix socket path limit
+    gcs_port, dashboard_port = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(extra_env or {}),
+           "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    command = [
+        str(BIN_DIR / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+        "--num-cpus", str(num_cpus), "--temp-dir", temp_dir,
+        "--port", str(gcs_port), "--dashboard-host", "127.0.0.1",
+        "--dashboard-port", str(dashboard_port), "--include-dashboard", "true",
+        "--dashboard-agent-listen-port", str(free_port()),
+        "--dashboard-agent-grpc-port", str(free_port()),
+        "--metrics-export-port", str(free_port()),
+        "--runtime-env-agent-port", str(free_port()),
+        "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
+        "--ray-client-server-port", str(free_port()), *extra_args,
+    ]
+    log_path = Path(temp_dir) / "ray-start.log"
+    log = open(log_path, "w")  # noqa: SIM115 - the head writes to it until the finally
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    import httpx
+
+    dashboard_url = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{dashboard_url}/api/version", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "ray head did not come up"
+            time.sleep(1)
+        from ray._private.services import get_node_ip_address
+
+        gcs_ip = get_node_ip_address()
+        yield RayHead(dashboard_url, f"{gcs_ip}:{gcs_port}", temp_dir, env, process, log_path)
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(process.pid, sig)
+                process.wait(timeout=wait_s)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        kill_processes_under(temp_dir)
+        log.close()

@@ -9,69 +9,25 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from conftest import free_port
+from conftest import BIN_DIR, ray_head
 
 pytestmark = pytest.mark.timeout(420)
 
 PROMPTS = [f"Item {i}: the quick brown fox" for i in range(8)]
 MAX_TOKENS = 160  # long enough (~2 s a request on 2 cores) to interrupt the job mid-way
-BIN_DIR = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
 def job_head():
     """A fresh single-node Ray head with the dashboard (job server); yields its HTTP address."""
-    temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")
-    dashboard_port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled",
-           "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("RAY_ADDRESS", None)
-    command = [
-        str(BIN_DIR / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-        "--num-cpus", "1", "--temp-dir", temp_dir,
-        "--port", str(free_port()), "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(dashboard_port), "--include-dashboard", "true",
-        "--dashboard-agent-listen-port", str(free_port()),
-        "--dashboard-agent-grpc-port", str(free_port()),
-        "--metrics-export-port", str(free_port()),
-        "--runtime-env-agent-port", str(free_port()),
-        "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
-        "--ray-client-server-port", str(free_port()),
-    ]
-    log = open(Path(temp_dir) / "ray-start.log", "w")
-    head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard_port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert head.poll() is None, Path(log.name).read_text()
-            try:
-                if httpx.get(f"{address}/api/version", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "job head did not come up"
-            time.sleep(1)
-        yield address, env
-    finally:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(head.pid, sig)
-                head.wait(timeout=wait_s)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        log.close()
+    with ray_head(num_cpus=1) as head:
+        yield head.dashboard_url, head.env
 
 
 def _rows(path: Path) -> list[dict]:

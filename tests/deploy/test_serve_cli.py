@@ -19,28 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, kill_processes_under, processes_under
 
 pytestmark = pytest.mark.timeout(240)
 
 MTPSERVE = str(Path(sys.executable).parent / "mtpserve")
 URL_LINE = re.compile(r"mtpserve: serving an OpenAI-compatible API at (http://\S+/v1)")
-
-
-def _processes_under(root: str) -> list[tuple[int, str]]:
-    """(pid, command line) of live processes whose command line names `root`."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if root in cmdline and state != "Z":
-            found.append((int(proc.name), cmdline[:200]))
-    return found
 
 
 def _wait_for_url(server: subprocess.Popen, log_path: Path, timeout_s: float) -> str:
@@ -86,7 +70,7 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(tiny_model_di
         assert completion.usage.completion_tokens == len(reference.token_ids) == 8
         assert completion.usage.prompt_tokens == len(reference.prompt_token_ids)
 
-        assert _processes_under(ray_root), "the CLI's Ray should be running under its own root"
+        assert processes_under(ray_root), "the CLI's Ray should be running under its own root"
         server.send_signal(signal.SIGINT)  # what Ctrl-C sends
         returncode = server.wait(timeout=60)
         output = log_path.read_text(errors="replace")
@@ -94,15 +78,11 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(tiny_model_di
         assert "mtpserve: shutting down" in output
         # Ray's own processes (raylet, GCS, workers, agents) may take a moment after the driver.
         deadline = time.monotonic() + 30
-        while (left := _processes_under(ray_root)) and time.monotonic() < deadline:
+        while (left := processes_under(ray_root)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not left, f"processes of the CLI's Ray left behind: {left}"
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
-        for pid, _ in _processes_under(ray_root):  # only this test's Ray, found by its root
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_processes_under(ray_root)  # only this test's Ray, found by its temp root
