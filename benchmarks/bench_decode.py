@@ -242,7 +242,11 @@ def main() -> None:
          f"{t_moe:.3f} ms per MoE layer; a 61-layer model ~{t_61:.1f} ms/step "
          f"({1e3 / t_61:.0f} tok/s without MTP)")
 
-    bench.runner.graphs = graphs[True]  # the engine's configuration: graphs with PDL
+    # The engine's configuration: verify steps and whole proposals replay graphs, PDL on.
+    from workers.cuda_graph import ProposeGraphs
+
+    bench.runner.graphs = graphs[True]
+    bench.runner.propose_graphs = ProposeGraphs(model, bench.runner.topk_share, graphs[True])
     emit("\n| k | share top-k | round ms (b=1, 1k) | round ms (b=8, 1k) |")
     emit("|---|---|---|---|")
     for k in (1, 2, 3):
