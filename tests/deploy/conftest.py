@@ -146,12 +146,12 @@ class RayHead:
 
 @contextlib.contextmanager
 def ray_head(num_cpus: float, extra_args: tuple[str, ...] = (), extra_env: dict | None = None,
-             timeout_s: float = 120.0):
+             gcs_port: int | None = None, timeout_s: float = 120.0, stop_timeout_s: float = 30.0):
     """Start a fresh single-node Ray head; stop it by signalling its process group, then kill
     whatever is left under its temp dir; never `ray stop`, which would kill every Ray on the
     machine (the other tests' and other engineers')."""
     temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: unix socket path limit
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port = gcs_port or free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(extra_env or {}),
            "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
@@ -190,7 +190,7 @@ def ray_head(num_cpus: float, extra_args: tuple[str, ...] = (), extra_env: dict 
         gcs_ip = get_node_ip_address()
         yield RayHead(dashboard_url, f"{gcs_ip}:{gcs_port}", temp_dir, env, process, log_path)
     finally:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        for sig, wait_s in ((signal.SIGTERM, stop_timeout_s), (signal.SIGKILL, 10)):
             try:
                 os.killpg(process.pid, sig)
                 process.wait(timeout=wait_s)
