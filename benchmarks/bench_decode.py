@@ -127,6 +127,28 @@ class DecodeBench:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps
 
+    @torch.no_grad()
+    def prefill_ms(self, context: int, chunk: int, reps: int = 3) -> float:
+        """One chunked-prefill step: `chunk` new tokens of one sequence after `context` cached
+        ones (the engine prefills in chunks of max_num_batched_tokens), eager as the engine runs
+        prefill."""
+        from workers.attention_metadata import AttentionMetadata
+
+        ids, positions, slots, tables = self.inputs(1, context, chunk)
+        seq = torch.zeros_like(positions)
+
+        def step():
+            meta = AttentionMetadata(positions, slots, seq, tables)
+            self.model.compute_logits(self.model(ids, meta)[-1:])
+
+        step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / reps
+
     def graphs(self, pdl: bool, max_batch: int) -> DecodeGraphs:
         with_pdl(pdl)
         return DecodeGraphs(self.model, max_batch, self.max_blocks, CUDA)
@@ -192,6 +214,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--prefill-only", action="store_true")
     args = ap.parse_args()
     lines = []
 
@@ -210,6 +234,13 @@ def main() -> None:
     emit(f"slice: {args.layers} layers (1 dense + {args.layers - 1} MoE) + MTP, "
          f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params")
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
+    emit("\n| prefill chunk | after context | ms | prefill tok/s |")
+    emit("|---|---|---|---|")
+    for context in (0, 8192, 30720):
+        ms = bench.prefill_ms(context, args.prefill_chunk)
+        emit(f"| {args.prefill_chunk} | {context} | {ms:.1f} | {args.prefill_chunk / ms * 1e3:.0f} |")
+    if args.prefill_only:
+        return
     graphs = {pdl: bench.graphs(pdl, max(BATCHES)) for pdl in (True, False)}
 
     emit("\n| batch | context | step ms (PDL) | step ms (no PDL) | PDL gain | tok/s | HBM floor ms"
