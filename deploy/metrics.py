@@ -55,6 +55,15 @@ class EngineMetrics:
             description="Engine-wide mean tokens gained per MTP round.",
             tag_keys=tags,
         )
+        self.num_prompt_tokens = metrics.Counter(
+            "mtpserve_prompt_tokens", description="Prompt tokens of requests the engine accepted.",
+            tag_keys=tags,
+        )
+        self.num_generation_tokens = metrics.Counter(
+            "mtpserve_generation_tokens",
+            description="Output tokens streamed to callers (aborted requests' included).",
+            tag_keys=tags,
+        )
         self.num_finished = metrics.Counter(
             "mtpserve_requests_finished", description="Finished requests by finish reason.",
             tag_keys=("model", "finish_reason"),
@@ -62,7 +71,7 @@ class EngineMetrics:
         for metric in (
             self.time_to_first_token_s, self.time_per_output_token_s, self.mtp_accepted_length,
             self.num_waiting, self.num_running, self.kv_usage, self.mean_tokens_per_round,
-            self.num_finished,
+            self.num_prompt_tokens, self.num_generation_tokens, self.num_finished,
         ):
             metric.set_default_tags({"model": model_name})
 

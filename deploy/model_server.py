@@ -100,15 +100,21 @@ class ModelServer:
         arrived_s = time.perf_counter()
         first_token_s: float | None = None
         finished = False
+        counted_prompt = False
         try:
             async for out in outputs:
+                if not counted_prompt:  # the engine accepted it (a refusal raises instead)
+                    counted_prompt = True
+                    self._metrics.num_prompt_tokens.inc(len(request.prompt_token_ids))
                 if out.finished and out.finish_reason == "error":
                     finished = True
                     yield GenerateFailure(503, "engine_dead_error", out.error or "engine failure")
                     return
-                if first_token_s is None and out.new_token_ids:
-                    first_token_s = time.perf_counter()
-                    self._metrics.time_to_first_token_s.observe(first_token_s - arrived_s)
+                if out.new_token_ids:
+                    self._metrics.num_generation_tokens.inc(len(out.new_token_ids))
+                    if first_token_s is None:
+                        first_token_s = time.perf_counter()
+                        self._metrics.time_to_first_token_s.observe(first_token_s - arrived_s)
                 if out.finished:
                     finished = True
                     self._record_finished(out, first_token_s)
