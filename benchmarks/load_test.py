@@ -135,7 +135,7 @@ async def run_load(
                 ttft_s, total_s, num_tokens, text = await stream_completion(
                     http, url, model, prompts[prompt_index], max_tokens
                 )
-            except Exception as exc:  # noqa: BLE001 - every failure is counted, none stops the test
+            except Exception as exc:  # noqa: BLE001 - every failure is counted
                 result.record_error(f"{type(exc).__name__}: {exc}")
                 continue
             if num_tokens != max_tokens:

@@ -25,7 +25,6 @@ from cluster.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedE
 from cluster.config import EngineConfig
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import InvalidRequestError
-
 from deploy.messages import GenerateFailure, GenerateRequest, ModelInfo
 from deploy.metrics import EngineMetrics
 
@@ -124,7 +123,7 @@ class ModelServer:
         except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
             finished = True
             yield failure_from_exception(exc)
-        except Exception as exc:  # noqa: BLE001 - report, don't crash the replica
+        except Exception as exc:  # report, don't crash the replica
             finished = True
             logger.exception("request %s failed", request.request_id)
             yield failure_from_exception(exc)
@@ -172,6 +171,6 @@ class ModelServer:
         while True:
             try:
                 self._metrics.record_engine_stats(self.engine_stats())
-            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+            except Exception:  # metrics must never take the replica down
                 logger.exception("engine stats failed")
             await asyncio.sleep(STATS_PERIOD_S)

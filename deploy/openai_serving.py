@@ -12,7 +12,6 @@ from typing import Any
 
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
-
 from deploy.openai_protocol import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,

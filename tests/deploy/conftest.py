@@ -146,10 +146,11 @@ class RayHead:
 
 @contextlib.contextmanager
 def ray_head(num_cpus: float, extra_args: tuple[str, ...] = (), extra_env: dict | None = None,
-             gcs_port: int | None = None, timeout_s: float = 120.0, stop_timeout_s: float = 30.0):
+             gcs_port: int | None = None, timeout_s: float = 120.0, stop_timeout_s: float = 10.0):
     """Start a fresh single-node Ray head; stop it by signalling its process group, then kill
     whatever is left under its temp dir; never `ray stop`, which would kill every Ray on the
-    machine (the other tests' and other engineers')."""
+    machine (the other tests' and other engineers'). `ray start --block` often takes over 30 s
+    to finish on SIGTERM on the 2-core box, hence SIGKILL after `stop_timeout_s`."""
     temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: unix socket path limit
     gcs_port, dashboard_port = gcs_port or free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(extra_env or {}),

@@ -112,7 +112,7 @@ def test_replica_that_does_not_fit_adds_a_gpu_node_and_idle_node_goes(tiny_model
         fake_cluster_config(f"{get_node_ip_address()}:{gcs_port}")))
     fake_env = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
     with ray_head(HEAD_NUM_CPUS, extra_args=(f"--autoscaling-config={cluster_path}",),
-                  extra_env=fake_env, gcs_port=gcs_port, stop_timeout_s=10) as head:
+                  extra_env=fake_env, gcs_port=gcs_port) as head:
         deadline = time.monotonic() + 60
         while not (nodes := _nodes(head.dashboard_url)):  # the dashboard can beat the raylet
             assert time.monotonic() < deadline, "the head node never registered"
