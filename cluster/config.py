@@ -25,6 +25,7 @@ class EngineConfig:
     actor_num_cpus: float = 1.0  # CPU request of each Ray actor (fractions allowed)
     gpu_memory_utilization: float = 0.85
     step_timeout_s: float = 120.0  # a step that takes longer is a dead worker
+    indexer_numerics: str = "exact"  # "exact" (transformers) | "fp8" (DeepSeek's deployments)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     cpu_threads: int | None = None  # torch intra-op threads per worker; None: half the cores
     # Only TP rank 0 runs the indexers and broadcasts top-k over the TP group (None: on when

@@ -74,6 +74,7 @@ class RayExecutor(Executor):
             collective_timeout_s=config.step_timeout_s,
             cuda_graph_max_batch=config.cuda_graph_max_batch,
             max_model_len=config.max_model_len or 8192, max_num_seqs=config.max_num_seqs,
+            indexer_numerics=config.indexer_numerics,
         )
         actor_cls = ray.remote(WorkerActor)
         try:

@@ -18,6 +18,7 @@ from kernels.cache_write import (
     mla_kv_cache_write_triton,
 )
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton
+from kernels.indexer_fp8 import indexer_fp8_reference
 from kernels.moe_experts import grouped_moe_deepgemm, grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.platform import use_triton
@@ -28,6 +29,8 @@ from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attent
 # RoPE alone has no kernel: the keys' RoPE is fused into the two cache writes, and q's (a small
 # [T, H, 64] elementwise op) stays the twin.
 rope = rope_reference
+# The FP8 indexer rounding runs as torch ops on every device (a twin; no Triton kernel yet).
+indexer_fp8 = indexer_fp8_reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

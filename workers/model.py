@@ -106,6 +106,8 @@ class Indexer(nn.Module):
         # broadcasts its top-k, so all ranks attend to one token set; the others skip the work
         # (and never write their indexer-key cache: the choice holds for a worker's lifetime).
         self.src_tp_rank: int | None = None
+        # Score with FP8-rounded Hadamard-rotated q and k, as deployments do (exact by default).
+        self.fp8 = False
 
     def forward(self, x, q_latent, cos_sin, meta, k_cache) -> torch.Tensor:
         if self.src_tp_rank is None:
@@ -129,10 +131,16 @@ class Indexer(nn.Module):
         q = torch.cat(
             [ops.rope(q[..., : self.rope_dim], cos, sin, False), q[..., self.rope_dim :]], -1
         )
-        ops.indexer_k_cache_write(
+        k_rows = ops.indexer_k_cache_write(
             self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
             k_cache, meta.slot_mapping,
-        )
+        )  # [T, index_head_dim], as written
+        if self.fp8:
+            q = ops.indexer_fp8(q)
+            keep = meta.slot_mapping >= 0
+            k_cache.view(-1, self.head_dim)[meta.slot_mapping[keep]] = ops.indexer_fp8(
+                k_rows[keep]
+            ).to(k_cache.dtype)
         weights = self.weights_proj(x.float()) * self.num_heads**-0.5  # [T, H] fp32
         return ops.indexer_topk(
             q, weights, k_cache, meta.block_tables, meta.seq_idx, meta.positions, self.topk,
@@ -378,6 +386,14 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     def bind_caches(self, kv_caches: list[torch.Tensor], index_caches: list[torch.Tensor]) -> None:
         self.kv_caches, self.index_caches = kv_caches, index_caches
+
+    def set_indexer_numerics(self, numerics: str) -> None:
+        """"exact" (transformers' numerics, the default) or "fp8" (DeepSeek's deployed indexer)."""
+        if numerics not in ("exact", "fp8"):
+            raise ValueError(f"indexer numerics must be 'exact' or 'fp8', got {numerics!r}")
+        for module in self.modules():
+            if isinstance(module, Indexer):
+                module.fp8 = numerics == "fp8"
 
     def set_topk_source(self, src_tp_rank: int | None) -> None:
         """Which TP rank runs the indexers (None: every rank); see Indexer.src_tp_rank."""

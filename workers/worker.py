@@ -40,6 +40,7 @@ class Worker:
         enable_mtp: bool = True, gpu_memory_utilization: float = 0.85, local_rank: int = 0,
         cpu_threads: int | None = None, topk_src_rank: int | None = None,
         cuda_graph_max_batch: int = 0, max_model_len: int = 8192, max_num_seqs: int = 64,
+        indexer_numerics: str = "exact",
     ):
         from workers.loader import load_model
 
@@ -52,6 +53,7 @@ class Worker:
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.config = load_model(model_dir, self.dtype, self.device, enable_mtp)
         self.model.set_topk_source(topk_src_rank)
+        self.model.set_indexer_numerics(indexer_numerics)
         if num_kv_blocks is None:
             num_kv_blocks = self._kv_blocks_from_memory(
                 block_size_tokens, gpu_memory_utilization, max_num_seqs, max_model_len

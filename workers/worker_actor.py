@@ -42,6 +42,7 @@ class WorkerSpec:
     cuda_graph_max_batch: int = 0  # 0: eager decode steps
     max_model_len: int = 8192
     max_num_seqs: int = 64
+    indexer_numerics: str = "exact"
 
 
 class WorkerActor:
@@ -69,7 +70,7 @@ class WorkerActor:
             enable_mtp=True, gpu_memory_utilization=s.gpu_memory_utilization,
             cpu_threads=s.cpu_threads, topk_src_rank=s.topk_src_rank,
             cuda_graph_max_batch=s.cuda_graph_max_batch, max_model_len=s.max_model_len,
-            max_num_seqs=s.max_num_seqs,
+            max_num_seqs=s.max_num_seqs, indexer_numerics=s.indexer_numerics,
         )
         return self.worker.num_kv_blocks, self.worker.has_mtp
 
