@@ -54,6 +54,4 @@ def use_triton(device: torch.device) -> bool:
     Under TRITON_INTERPRET=1 on CPU the model still runs the twins: the interpreter is how the
     kernel tests run each kernel against its twin, far too slow to serve a model through.
     """
-    if force_reference():
-        return False
-    return device.type == "cuda"
+    return device.type == "cuda" and not force_reference()
