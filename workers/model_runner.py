@@ -69,12 +69,13 @@ class ModelRunner:
     # --- tensors -------------------------------------------------------------------------------
 
     def _metadata(
-        self, rows: list[tuple[int, int]], block_tables: torch.Tensor
+        self, rows: list[tuple[int, int]], tables_cpu: torch.Tensor, block_tables: torch.Tensor
     ) -> AttentionMetadata:
-        """rows: (seq index into block_tables, position) per token."""
+        """rows: (seq index into block_tables, position) per token. Slots are computed from the
+        host copy of the block tables, so building a step's tensors never waits on the device."""
         seq_idx = torch.tensor([s for s, _ in rows], dtype=torch.long)
         positions = torch.tensor([p for _, p in rows], dtype=torch.long)
-        blocks = block_tables.cpu()[seq_idx, positions // self.block_size].long()
+        blocks = tables_cpu[seq_idx, positions // self.block_size].long()
         slots = blocks * self.block_size + positions % self.block_size
         return AttentionMetadata(
             positions=positions.to(self.device),
@@ -88,7 +89,7 @@ class ModelRunner:
         table = torch.zeros(len(seqs), width, dtype=torch.int32)
         for i, s in enumerate(seqs):
             table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-        return table.to(self.device)
+        return table
 
     def _state(self, seq: SeqWork) -> _SeqState:
         state = self.states.get(seq.request_id)
@@ -110,10 +111,11 @@ class ModelRunner:
         if not seqs:
             return StepOutput([])
         states = [self._state(s) for s in seqs]
-        tables = self._block_tables(seqs)
+        tables_cpu = self._block_tables(seqs)
+        tables = tables_cpu.to(self.device)
         rows = [(i, s.start_position + j) for i, s in enumerate(seqs) for j in range(len(s.token_ids))]
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
-        meta = self._metadata(rows, tables)
+        meta = self._metadata(rows, tables_cpu, tables)
         # Rows whose logits are needed: a verify's 1 + k positions, a final chunk's last one.
         offsets, logit_rows = [], []
         start = 0
@@ -147,7 +149,7 @@ class ModelRunner:
 
         if self.has_mtp and step.num_draft_tokens > 0:
             self._agree_on_samples(seqs, results)
-            self._propose(step, seqs, states, tables, hidden, offsets, results)
+            self._propose(step, seqs, states, tables_cpu, tables, hidden, offsets, results)
         return StepOutput(results)
 
     def _agree_on_samples(self, seqs: list[SeqWork], results: list[SeqResult]) -> None:
@@ -180,11 +182,11 @@ class ModelRunner:
 
     # --- MTP drafting ----------------------------------------------------------------------------
 
-    def _propose(self, step, seqs, states, tables, hidden, offsets, results) -> None:
+    def _propose(self, step, seqs, states, tables_cpu, tables, hidden, offsets, results) -> None:
         """Draft step 0 over every newly known (h_i, t_{i+1}) pair, then steps 1..k-1."""
         no_pending = all(state.pending_hidden is None for state in states)
         if self.propose_graphs is not None and self._graphable(seqs) and no_pending:
-            return self._propose_graphed(step, seqs, tables, hidden, offsets, results)
+            return self._propose_graphed(step, seqs, tables_cpu, tables, hidden, offsets, results)
         pair_rows, pair_tokens, pair_hidden = [], [], []
         last_row = {}  # seq index -> row of its last accepted token in the step-0 batch
         for i, (s, state, res) in enumerate(zip(seqs, states, results)):
@@ -214,7 +216,7 @@ class ModelRunner:
         last_idx = torch.tensor(list(last_row.values()), device=self.device)
         drafts = draft_chain(
             self.model, self.topk_share, torch.tensor(pair_tokens, device=self.device),
-            torch.cat(pair_hidden), self._metadata(pair_rows, tables), last_idx,
+            torch.cat(pair_hidden), self._metadata(pair_rows, tables_cpu, tables), last_idx,
             torch.ones(len(seq_ids), dtype=torch.bool, device=self.device),
             step.num_draft_tokens, step.share_topk,
         )
@@ -222,15 +224,15 @@ class ModelRunner:
         for i, tokens in zip(seq_ids, proposals):
             results[i].next_draft_token_ids = tokens
 
-    def _propose_graphed(self, step, seqs, tables, hidden, offsets, results) -> None:
+    def _propose_graphed(self, step, seqs, tables_cpu, tables, hidden, offsets, results) -> None:
         """The decode-step proposal through ProposeGraphs: every request is a verify, so its
         pairs are its accepted drafts plus the target's token (at most k + 1), padded to k + 1."""
         width = step.num_draft_tokens + 1
         tokens, hidden_rows, positions, slots, last_idx = [], [], [], [], []
-        table_rows = tables.tolist() if tables.device.type == "cpu" else None
+        table_rows = tables_cpu.tolist()
         for i, (s, res) in enumerate(zip(seqs, results)):
             num_pairs = res.num_accepted_drafts + 1
-            blocks = s.block_ids if table_rows is None else table_rows[i]
+            blocks = table_rows[i]
             for r in range(width):
                 position = s.start_position + r
                 tokens.append(res.sampled_token_ids[r] if r < num_pairs else 0)

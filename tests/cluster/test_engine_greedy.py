@@ -85,8 +85,9 @@ class OracleDrafts:
         real = ModelRunner._propose
         oracle = self
 
-        def propose(runner, step, seqs, states, tables, hidden, offsets, results):
-            real(runner, step, seqs, states, tables, hidden, offsets, results)  # the real MTP work
+        def propose(runner, step, seqs, states, *rest):
+            real(runner, step, seqs, states, *rest)  # the real MTP work
+            results = rest[-1]
             for s, res in zip(seqs, results):
                 if not s.samples:
                     continue

@@ -25,9 +25,9 @@ def _run(model_dir, prompts, k, share, monkeypatch, max_tokens=8):
             calls.append(a[0].shape[0])
         return real_fwd(self, *a, **kw)
 
-    def recording(runner, step, seqs, states, tables, hidden, offsets, results):
-        real_propose(runner, step, seqs, states, tables, hidden, offsets, results)
-        drafts.append([r.next_draft_token_ids for r in results])
+    def recording(runner, step, seqs, states, *rest):
+        real_propose(runner, step, seqs, states, *rest)
+        drafts.append([r.next_draft_token_ids for r in rest[-1]])  # rest[-1]: the results
 
     monkeypatch.setattr(Indexer, "forward", counting)
     monkeypatch.setattr(ModelRunner, "_propose", recording)
