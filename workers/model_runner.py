@@ -132,6 +132,8 @@ class ModelRunner:
             hidden = self.model(input_ids, meta)  # [T, hidden]
             logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
 
+        # Every row's argmax in one device-to-host copy: greedy requests need nothing else.
+        argmax = logits.argmax(-1).tolist() if logits is not None else []
         results, cursor = [], 0
         for s, state in zip(seqs, states):
             if not s.samples:
@@ -141,7 +143,8 @@ class ModelRunner:
             seq_logits = logits[cursor : cursor + n]
             cursor += n
             drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens :] if s.num_draft_tokens else []
-            tokens, accepted = verify_and_sample(seq_logits, drafts, s.sampling, state.generator)
+            tokens, accepted = verify_and_sample(seq_logits, drafts, s.sampling, state.generator,
+                                                 argmax[cursor - n : cursor])
             logprobs = None
             if s.sampling.num_logprobs is not None:
                 logprobs = token_logprobs(seq_logits[: len(tokens)], tokens, s.sampling.num_logprobs)

@@ -44,10 +44,11 @@ def verify_and_sample(
     draft_token_ids: list[int],
     spec: SamplingSpec,
     generator: torch.Generator | None,
+    argmax: list[int] | None = None,  # logits.argmax(-1), if the caller has it on the host
 ) -> tuple[list[int], int]:
     """-> (emitted tokens: accepted drafts then one target token, number of drafts accepted)."""
     if spec.greedy:
-        targets = logits.argmax(-1).tolist()
+        targets = argmax if argmax is not None else logits.argmax(-1).tolist()
         accepted = 0
         while accepted < len(draft_token_ids) and draft_token_ids[accepted] == targets[accepted]:
             accepted += 1
