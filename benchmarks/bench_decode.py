@@ -40,16 +40,41 @@ def slice_config(num_layers: int):
     from transformers import DeepseekV32Config
 
     return DeepseekV32Config(
-        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-        num_hidden_layers=num_layers, num_attention_heads=128, num_key_value_heads=128,
-        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
-        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
-        topk_group=4, num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True,
-        max_position_embeddings=163840, rms_norm_eps=1e-6, index_topk=2048, index_head_dim=128,
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=num_layers,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        index_topk=2048,
+        index_head_dim=128,
         index_n_heads=64,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     )
 
 
@@ -101,14 +126,19 @@ class DecodeBench:
     def __init__(self, model, max_batch: int, max_context: int):
         self.model = model
         self.max_blocks = max_context // BLOCK + 2
-        self.runner = ModelRunner(model, max_batch * self.max_blocks + 1, BLOCK, CUDA, 0,
-                                  max_context)
+        self.runner = ModelRunner(
+            model, max_batch * self.max_blocks + 1, BLOCK, CUDA, 0, max_context
+        )
         for cache in self.runner.model.kv_caches + self.runner.model.index_caches:
             cache.normal_()
 
     def inputs(self, batch: int, context: int, tokens_per_seq: int):
-        tables = (torch.arange(batch * self.max_blocks, device=CUDA, dtype=torch.int32)
-                  .view(batch, self.max_blocks) + 1)[:, : (context + tokens_per_seq) // BLOCK + 1]
+        tables = (
+            torch.arange(batch * self.max_blocks, device=CUDA, dtype=torch.int32).view(
+                batch, self.max_blocks
+            )
+            + 1
+        )[:, : (context + tokens_per_seq) // BLOCK + 1]
         positions = (context + torch.arange(tokens_per_seq, device=CUDA)).repeat(batch)
         seq = torch.arange(batch, device=CUDA).repeat_interleave(tokens_per_seq)
         slots = tables[seq, positions // BLOCK].long() * BLOCK + positions % BLOCK
@@ -156,8 +186,10 @@ class DecodeBench:
     def round_ms(self, batch: int, context: int, k: int, share: bool, reps: int = 5) -> float:
         """A whole MTP round through the runner: verify 1 + k, draft step 0, steps 1..k-1."""
         tables = self.inputs(batch, context, k + 1)[3].cpu().tolist()
-        seqs = [SeqWork(f"r{b}", [5] + [7] * k, context, tables[b], k, True, SamplingSpec())
-                for b in range(batch)]
+        seqs = [
+            SeqWork(f"r{b}", [5] + [7] * k, context, tables[b], k, True, SamplingSpec())
+            for b in range(batch)
+        ]
         step = StepInput(seqs, k, share)
         self.runner.execute(step)
         torch.cuda.synchronize()
@@ -223,40 +255,55 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "?")
-    emit(f"device {torch.cuda.get_device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC,"
-         f" commit {commit}, torch {torch.__version__}")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip() or os.environ.get("GIT_COMMIT", "?")
+    emit(
+        f"device {torch.cuda.get_device_name()}, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC,"
+        f" commit {commit}, torch {torch.__version__}"
+    )
     bw = copy_bandwidth_gbs()
     emit(f"copy bandwidth {bw:.0f} GB/s")
     config = slice_config(args.layers)
     model = build_model(config)
-    emit(f"slice: {args.layers} layers (1 dense + {args.layers - 1} MoE) + MTP, "
-         f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params")
+    emit(
+        f"slice: {args.layers} layers (1 dense + {args.layers - 1} MoE) + MTP, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params"
+    )
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
     emit("\n| prefill chunk | after context | ms | prefill tok/s |")
     emit("|---|---|---|---|")
     for context in (0, 8192, 30720):
         ms = bench.prefill_ms(context, args.prefill_chunk)
-        emit(f"| {args.prefill_chunk} | {context} | {ms:.1f} | {args.prefill_chunk / ms * 1e3:.0f} |")
+        emit(
+            f"| {args.prefill_chunk} | {context} | {ms:.1f} | {args.prefill_chunk / ms * 1e3:.0f} |"
+        )
     if args.prefill_only:
         return
     graphs = {pdl: bench.graphs(pdl, max(BATCHES)) for pdl in (True, False)}
 
-    emit("\n| batch | context | step ms (PDL) | step ms (no PDL) | PDL gain | tok/s | HBM floor ms"
-         " | x floor |")
+    emit(
+        "\n| batch | context | step ms (PDL) | step ms (no PDL) | PDL gain | tok/s | HBM floor ms"
+        " | x floor |"
+    )
     emit("|---|---|---|---|---|---|---|---|")
     per_layer = {}
     for batch in BATCHES:
         for context in CONTEXTS:
-            times = {pdl: (with_pdl(pdl), bench.graph_ms(graphs[pdl], batch, context, 1))[1]
-                     for pdl in (True, False)}
+            times = {
+                pdl: (with_pdl(pdl), bench.graph_ms(graphs[pdl], batch, context, 1))[1]
+                for pdl in (True, False)
+            }
             wb = weight_bytes(model, batch)
-            floor = (wb["layers"] + wb["head"] + kv_bytes(config, batch, context, args.layers)) \
-                / (bw * 1e6)
-            emit(f"| {batch} | {context} | {times[True]:.2f} | {times[False]:.2f} | "
-                 f"{(1 - times[True] / times[False]) * 100:.1f}% | {batch / times[True] * 1e3:.0f}"
-                 f" | {floor:.2f} | {times[True] / floor:.2f} |")
+            floor = (wb["layers"] + wb["head"] + kv_bytes(config, batch, context, args.layers)) / (
+                bw * 1e6
+            )
+            emit(
+                f"| {batch} | {context} | {times[True]:.2f} | {times[False]:.2f} | "
+                f"{(1 - times[True] / times[False]) * 100:.1f}% | {batch / times[True] * 1e3:.0f}"
+                f" | {floor:.2f} | {times[True] / floor:.2f} |"
+            )
             per_layer[(batch, context)] = times[True]
     with_pdl(True)
 
@@ -269,9 +316,11 @@ def main() -> None:
     t_full = per_layer[(1, 1024)]
     t_moe = (t_full - t2) / (args.layers - 2)
     t_61 = t2 + t_moe * (61 - 2)
-    emit(f"\nbatch 1, context 1k: {args.layers} layers {t_full:.2f} ms, 2 layers {t2:.2f} ms -> "
-         f"{t_moe:.3f} ms per MoE layer; a 61-layer model ~{t_61:.1f} ms/step "
-         f"({1e3 / t_61:.0f} tok/s without MTP)")
+    emit(
+        f"\nbatch 1, context 1k: {args.layers} layers {t_full:.2f} ms, 2 layers {t2:.2f} ms -> "
+        f"{t_moe:.3f} ms per MoE layer; a 61-layer model ~{t_61:.1f} ms/step "
+        f"({1e3 / t_61:.0f} tok/s without MTP)"
+    )
 
     # The engine's configuration: verify steps and whole proposals replay graphs, PDL on.
     from workers.cuda_graph import ProposeGraphs
@@ -302,15 +351,19 @@ def main() -> None:
             for _ in range(3):
                 model.compute_logits(model(ids, meta()))
             torch.cuda.synchronize()
-        emit(f"twins (pure torch, eager), b=1, 1k: {(time.perf_counter() - start) * 1e3 / 3:.1f}"
-             " ms/step")
+        emit(
+            f"twins (pure torch, eager), b=1, 1k: {(time.perf_counter() - start) * 1e3 / 3:.1f}"
+            " ms/step"
+        )
     finally:
         os.environ.pop("MTPSERVE_FORCE_REFERENCE", None)
 
     if not args.skip_transformers:
         hf_ms = transformers_step_ms(model, config)
-        emit(f"transformers generate, b=1, 1k prompt: {hf_ms:.1f} ms/step; ours (graph, PDL) "
-             f"{per_layer[(1, 1024)]:.2f} ms/step: {hf_ms / per_layer[(1, 1024)]:.1f}x")
+        emit(
+            f"transformers generate, b=1, 1k prompt: {hf_ms:.1f} ms/step; ours (graph, PDL) "
+            f"{per_layer[(1, 1024)]:.2f} ms/step: {hf_ms / per_layer[(1, 1024)]:.1f}x"
+        )
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

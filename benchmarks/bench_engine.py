@@ -33,16 +33,21 @@ def main() -> None:
     llm0 = LLM(model, device=args.device)
     vocab = llm0.engine.vocab_size
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()
-               for _ in range(args.num_prompts)]
+    prompts = [
+        torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.num_prompts)
+    ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    print(f"model={model} device={args.device} prompts={args.num_prompts}x{args.prompt_len} "
-          f"max_tokens={args.max_tokens}")
+    print(
+        f"model={model} device={args.device} prompts={args.num_prompts}x{args.prompt_len} "
+        f"max_tokens={args.max_tokens}"
+    )
     print(f"{'k':>2} {'share':>5} {'tok/s':>9} {'tokens/round':>13} {'acceptance':>22} {'same':>5}")
     reference = None
     for k, share in [(0, False), (1, False), (2, False), (3, False), (3, True)]:
-        llm = llm0 if k == 0 else LLM(model, device=args.device, num_draft_tokens=k,
-                                      share_topk=share)
+        llm = (
+            llm0 if k == 0 else LLM(model, device=args.device, num_draft_tokens=k, share_topk=share)
+        )
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -51,8 +56,10 @@ def main() -> None:
         reference = reference or tokens
         stats = llm.stats()
         acc = ",".join(f"{a:.2f}" for a in stats.acceptance_per_position) or "-"
-        print(f"{k:>2} {str(share):>5} {sum(map(len, tokens)) / elapsed:>9.1f} "
-              f"{stats.mean_tokens_per_round:>13.2f} {acc:>22} {str(tokens == reference):>5}")
+        print(
+            f"{k:>2} {str(share):>5} {sum(map(len, tokens)) / elapsed:>9.1f} "
+            f"{stats.mean_tokens_per_round:>13.2f} {acc:>22} {str(tokens == reference):>5}"
+        )
 
 
 if __name__ == "__main__":

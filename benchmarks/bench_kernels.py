@@ -17,7 +17,7 @@ import datetime
 import os
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

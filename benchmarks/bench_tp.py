@@ -92,8 +92,9 @@ def bench_broadcast(config: EngineConfig, index_topk: int, iters: int) -> None:
     engine = LLMEngine(config)
     try:
         shapes = [(t, index_topk) for t in (1, 32, 128)]
-        per_rank = ray.get([w.run.remote(_time_broadcast, shapes, iters)
-                            for w in engine.executor.workers])
+        per_rank = ray.get(
+            [w.run.remote(_time_broadcast, shapes, iters) for w in engine.executor.workers]
+        )
         print(f"\ntop-k broadcast inside the TP group ({iters} iterations, eager, rank 0's time):")
         print(f"{'tokens':>7} {'shape':>14} {'us':>9}")
         for shape, us in zip(shapes, per_rank[0]):
@@ -112,8 +113,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-draft-tokens", type=int, default=2)
     ap.add_argument("--share-topk", action="store_true")
-    ap.add_argument("--actor-num-cpus", type=float, default=None,
-                    help="CPU request per rank (default: 1 on GPU, 0.5 on CPU)")
+    ap.add_argument(
+        "--actor-num-cpus",
+        type=float,
+        default=None,
+        help="CPU request per rank (default: 1 on GPU, 0.5 on CPU)",
+    )
     ap.add_argument("--broadcast-iters", type=int, default=200)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     args = ap.parse_args()
@@ -121,21 +126,31 @@ def main() -> None:
     model = args.model or tiny_model_path()
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     actor_cpus = args.actor_num_cpus or (1.0 if on_gpu else 0.5)
-    base = EngineConfig(model=model, device=args.device, dtype=args.dtype,
-                        num_draft_tokens=args.num_draft_tokens, share_topk=args.share_topk,
-                        actor_num_cpus=actor_cpus, step_timeout_s=600,
-                        enforce_eager=args.enforce_eager)
+    base = EngineConfig(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        num_draft_tokens=args.num_draft_tokens,
+        share_topk=args.share_topk,
+        actor_num_cpus=actor_cpus,
+        step_timeout_s=600,
+        enforce_eager=args.enforce_eager,
+    )
     from workers.loader import load_config
 
     model_config = load_config(model)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, model_config.vocab_size, (args.prompt_len,), generator=g).tolist()
-               for _ in range(args.num_prompts)]
+    prompts = [
+        torch.randint(3, model_config.vocab_size, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.num_prompts)
+    ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    print(f"model={model} device={'cuda' if on_gpu else 'cpu'} prompts={args.num_prompts}x"
-          f"{args.prompt_len} max_tokens={args.max_tokens} k={args.num_draft_tokens} "
-          f"share_topk={args.share_topk} index_topk={model_config.index_topk} "
-          f"cuda_graphs={on_gpu and not args.enforce_eager}")
+    print(
+        f"model={model} device={'cuda' if on_gpu else 'cpu'} prompts={args.num_prompts}x"
+        f"{args.prompt_len} max_tokens={args.max_tokens} k={args.num_draft_tokens} "
+        f"share_topk={args.share_topk} index_topk={model_config.index_topk} "
+        f"cuda_graphs={on_gpu and not args.enforce_eager}"
+    )
     print(f"{'layout':<34} {'decode step ms':>15} {'tok/s':>9} {'same as TP=1':>13}")
     reference = None
     for tp, ep, broadcast, label in LAYOUTS:

@@ -79,8 +79,13 @@ async def stream_completion(
     """One streamed greedy completion. Returns (ttft_s, total_s, completion_tokens, text);
     raises on any failure."""
     body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     sent = time.perf_counter()
     ttft_s = None
@@ -92,7 +97,7 @@ async def stream_completion(
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise RuntimeError(f"error event: {chunk['error']}")
             if chunk.get("choices"):
@@ -115,8 +120,13 @@ async def http_ttft(url: str, model: str, prompts: list[list[int]]) -> list[floa
 
 
 async def run_load(
-    url: str, model: str, prompts: list[list[int]], concurrency: int, duration_s: float,
-    max_tokens: int, outputs: dict[int, set[str]] | None = None,
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    duration_s: float,
+    max_tokens: int,
+    outputs: dict[int, set[str]] | None = None,
 ) -> LoadResult:
     """`concurrency` closed-loop clients for `duration_s`. `outputs`, if given, collects each
     prompt index's completion texts (greedy: one text per prompt is expected)."""
@@ -218,8 +228,10 @@ def _ms(seconds: float) -> str:
 def markdown_table(report: dict) -> str:
     load = report["load"]
     kv_after = report["kv_after"]
-    streams = (f"{load['concurrency']} streams x {report['duration_s']:.0f} s "
-               f"(wall {load['duration_s']:.1f} s)")
+    streams = (
+        f"{load['concurrency']} streams x {report['duration_s']:.0f} s "
+        f"(wall {load['duration_s']:.1f} s)"
+    )
     rows = [
         ("model", report["model"]),
         ("concurrency x duration", streams),
@@ -227,11 +239,15 @@ def markdown_table(report: dict) -> str:
         ("requests completed", str(load["num_requests"] - load["num_errors"])),
         ("errors", str(load["num_errors"])),
         ("output tokens/s (all streams)", f"{report['output_tokens_per_s']:.1f}"),
-        ("TTFT under load p50 / p90 / p99 (ms)", " / ".join(
-            _ms(report["load_ttft_s"][k]) for k in ("p50", "p90", "p99"))),
+        (
+            "TTFT under load p50 / p90 / p99 (ms)",
+            " / ".join(_ms(report["load_ttft_s"][k]) for k in ("p50", "p90", "p99")),
+        ),
         ("time per output token under load p50 (ms)", _ms(report["load_tpot_p50_s"])),
-        ("KV blocks free after the load",
-         f"{kv_after['num_free_blocks']} / {kv_after['num_total_blocks']}"),
+        (
+            "KV blocks free after the load",
+            f"{kv_after['num_free_blocks']} / {kv_after['num_total_blocks']}",
+        ),
         ("idle TTFT, direct AsyncEngine, median (ms)", _ms(report["engine_ttft_p50_s"])),
         ("idle TTFT, HTTP streaming, median (ms)", _ms(report["http_ttft_p50_s"])),
         ("HTTP path TTFT overhead, median (ms)", _ms(report["ttft_overhead_s"])),
@@ -244,8 +260,11 @@ def markdown_table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the default model)")
-    ap.add_argument("--url", default=None,
-                    help="an mtpserve server already serving --model (default: start one here)")
+    ap.add_argument(
+        "--url",
+        default=None,
+        help="an mtpserve server already serving --model (default: start one here)",
+    )
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -253,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-samples", type=int, default=20)
     ap.add_argument("--drain-timeout", type=float, default=60.0)
     ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--port", type=int, default=0,
-                    help="HTTP port of the server started here (0: a free one)")
+    ap.add_argument(
+        "--port", type=int, default=0, help="HTTP port of the server started here (0: a free one)"
+    )
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--markdown", default=None, help="write the table here")
     args = ap.parse_args(argv)
@@ -265,11 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = model_vocab_size(model)
     prompts = make_prompts(vocab_size, args.ttft_samples, args.prompt_len)
     # Same engine settings for the direct and the served engine; room for every stream at once.
-    engine = {"max_num_seqs": max(args.concurrency, 1),
-              "max_queued_requests": max(256, args.concurrency)}
+    engine = {
+        "max_num_seqs": max(args.concurrency, 1),
+        "max_queued_requests": max(256, args.concurrency),
+    }
 
-    engine_ttfts = asyncio.run(engine_ttft(
-        {"model": model, "device": args.device, **engine}, prompts))
+    engine_ttfts = asyncio.run(
+        engine_ttft({"model": model, "device": args.device, **engine}, prompts)
+    )
 
     started_here = args.url is None
     if started_here:
@@ -278,24 +301,40 @@ def main(argv: list[str] | None = None) -> int:
 
         start_local_ray("local")
         port = args.port or _free_port()
-        url = deploy(AppArgs(model=model, device=args.device, engine=engine, actor_num_cpus=0.25,
-                             replica_num_cpus=0.25, ingress_num_cpus=0.25), "127.0.0.1", port)
+        url = deploy(
+            AppArgs(
+                model=model,
+                device=args.device,
+                engine=engine,
+                actor_num_cpus=0.25,
+                replica_num_cpus=0.25,
+                ingress_num_cpus=0.25,
+            ),
+            "127.0.0.1",
+            port,
+        )
     else:
         url = args.url.rstrip("/").removesuffix("/v1")
     try:
         served_model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
         http_ttfts = asyncio.run(http_ttft(url, served_model, prompts))
         load_prompts = make_prompts(vocab_size, 64, args.prompt_len, seed=1)
-        load = asyncio.run(run_load(url, served_model, load_prompts, args.concurrency,
-                                    args.duration, args.max_tokens))
+        load = asyncio.run(
+            run_load(
+                url, served_model, load_prompts, args.concurrency, args.duration, args.max_tokens
+            )
+        )
         kv_after = asyncio.run(wait_for_idle_full_kv(url, args.drain_timeout))
     finally:
         if started_here:
             shutdown()
 
     report = {
-        "model": model, "device": args.device, "duration_s": args.duration,
-        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "model": model,
+        "device": args.device,
+        "duration_s": args.duration,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
         "load": {k: v for k, v in asdict(load).items() if k not in ("ttft_s", "tpot_s")},
         "output_tokens_per_s": load.output_tokens_per_s,
         "load_ttft_s": {f"p{q}": percentile(load.ttft_s, q) for q in (50, 90, 99)},
@@ -304,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine_ttft_p50_s": statistics.median(engine_ttfts),
         "http_ttft_p50_s": statistics.median(http_ttfts),
         "ttft_overhead_s": statistics.median(http_ttfts) - statistics.median(engine_ttfts),
-        "engine_ttft_s": engine_ttfts, "http_ttft_s": http_ttfts,
+        "engine_ttft_s": engine_ttfts,
+        "http_ttft_s": http_ttfts,
     }
     table = markdown_table(report)
     print(table)

@@ -81,8 +81,7 @@ class BlockManager:
         num_new = self.num_new_blocks_needed(request, num_tokens)
         if num_new > self.num_free_blocks:
             raise RuntimeError(
-                f"request {request.request_id} needs {num_new} blocks, "
-                f"{self.num_free_blocks} free"
+                f"request {request.request_id} needs {num_new} blocks, {self.num_free_blocks} free"
             )
         new_block_ids = [self._free_block_ids.popleft() for _ in range(num_new)]
         request.block_ids.extend(new_block_ids)

@@ -1,6 +1,6 @@
 """The engine: one scheduler, one executor, and the step loop.
 
-    step() = schedule -> execute on every rank -> update (append tokens, stop, free blocks)
+step() = schedule -> execute on every rank -> update (append tokens, stop, free blocks)
 """
 
 from __future__ import annotations
@@ -81,13 +81,15 @@ class LLMEngine:
         capacity = block_manager.capacity_tokens
         if capacity < self.max_model_len + 2 * num_drafts:
             self.max_model_len = capacity - 2 * num_drafts
-            logger.warning("KV pool holds %d tokens: max_model_len lowered to %d",
-                           capacity, self.max_model_len)
+            logger.warning(
+                "KV pool holds %d tokens: max_model_len lowered to %d", capacity, self.max_model_len
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs,
-                                           1 + num_drafts),
+                max_num_batched_tokens=max(
+                    config.max_num_batched_tokens, config.max_num_seqs, 1 + num_drafts
+                ),
                 num_draft_tokens=num_drafts,
                 block_size_tokens=config.block_size_tokens,
                 num_blocks=num_blocks,
@@ -112,7 +114,8 @@ class LLMEngine:
         if len(prompt_token_ids) + 1 > self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens, including at least one generated token", "prompt",
+                f"{self.max_model_len} tokens, including at least one generated token",
+                "prompt",
             )
         self.scheduler.add(Request(request_id, prompt_token_ids, params, self.eos_token_ids))
         return request_id
@@ -135,9 +138,16 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         output = self.executor.execute(self._step_input(scheduled))  # raises WorkerError
-        results = {r.request_id: StepResult(r.request_id, r.sampled_token_ids,
-                                            r.num_accepted_drafts, r.next_draft_token_ids,
-                                            r.logprobs) for r in output.results}
+        results = {
+            r.request_id: StepResult(
+                r.request_id,
+                r.sampled_token_ids,
+                r.num_accepted_drafts,
+                r.next_draft_token_ids,
+                r.logprobs,
+            )
+            for r in output.results
+        }
         changed = self.scheduler.update(scheduled, results)
         outputs = []
         for request in changed:
@@ -151,15 +161,17 @@ class LLMEngine:
         seqs = []
         for s in scheduled.scheduled:
             p = s.request.sampling_params
-            seqs.append(SeqWork(
-                request_id=s.request_id,
-                token_ids=s.token_ids,
-                start_position=s.start_position,
-                block_ids=list(s.request.block_ids),
-                num_draft_tokens=s.num_draft_tokens,
-                samples=s.samples,
-                sampling=SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed, p.logprobs),
-            ))
+            seqs.append(
+                SeqWork(
+                    request_id=s.request_id,
+                    token_ids=s.token_ids,
+                    start_position=s.start_position,
+                    block_ids=list(s.request.block_ids),
+                    num_draft_tokens=s.num_draft_tokens,
+                    samples=s.samples,
+                    sampling=SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed, p.logprobs),
+                )
+            )
         finished, self._finished_ids = self._finished_ids, []
         return StepInput(seqs, self.num_draft_tokens, self.config.share_topk, finished)
 

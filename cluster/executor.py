@@ -34,10 +34,16 @@ class InProcessExecutor(Executor):
         from workers.worker import Worker
 
         self.worker = Worker(
-            config.model, config.device, config.dtype, config.num_kv_blocks,
-            config.block_size_tokens, enable_mtp=True,
-            gpu_memory_utilization=config.gpu_memory_utilization, cpu_threads=config.cpu_threads,
-            cuda_graph_max_batch=config.cuda_graph_max_batch, max_num_seqs=config.max_num_seqs,
+            config.model,
+            config.device,
+            config.dtype,
+            config.num_kv_blocks,
+            config.block_size_tokens,
+            enable_mtp=True,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            cpu_threads=config.cpu_threads,
+            cuda_graph_max_batch=config.cuda_graph_max_batch,
+            max_num_seqs=config.max_num_seqs,
             indexer_numerics=config.indexer_numerics,
             max_model_len=config.max_model_len or 8192,
         )

@@ -66,32 +66,44 @@ class RayExecutor(Executor):
         device = config.device if config.device != "auto" else ("cuda" if num_gpus else "cpu")
         pg, first_bundle = self._placement_group(ray, placement_group, num_gpus)
         spec = WorkerSpec(
-            model=config.model, tp_size=config.tp_size, ep_size=config.ep_size, device=device,
-            dtype=config.dtype, num_kv_blocks=config.num_kv_blocks,
+            model=config.model,
+            tp_size=config.tp_size,
+            ep_size=config.ep_size,
+            device=device,
+            dtype=config.dtype,
+            num_kv_blocks=config.num_kv_blocks,
             block_size_tokens=config.block_size_tokens,
             gpu_memory_utilization=config.gpu_memory_utilization,
-            cpu_threads=config.cpu_threads, topk_src_rank=config.topk_src_rank,
+            cpu_threads=config.cpu_threads,
+            topk_src_rank=config.topk_src_rank,
             collective_timeout_s=config.step_timeout_s,
             cuda_graph_max_batch=config.cuda_graph_max_batch,
-            max_model_len=config.max_model_len or 8192, max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len or 8192,
+            max_num_seqs=config.max_num_seqs,
             indexer_numerics=config.indexer_numerics,
         )
         actor_cls = ray.remote(WorkerActor)
         try:
             for rank in range(config.tp_size):
                 bundle = first_bundle + rank if first_bundle is not None else -1
-                self.workers.append(actor_cls.options(
-                    num_cpus=config.actor_num_cpus, num_gpus=num_gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=bundle,
-                        placement_group_capture_child_tasks=True,
-                    ),
-                    max_restarts=0, max_concurrency=2,  # ping while a step runs
-                ).remote(rank, spec))
+                self.workers.append(
+                    actor_cls.options(
+                        num_cpus=config.actor_num_cpus,
+                        num_gpus=num_gpus,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=pg,
+                            placement_group_bundle_index=bundle,
+                            placement_group_capture_child_tasks=True,
+                        ),
+                        max_restarts=0,
+                        max_concurrency=2,  # ping while a step runs
+                    ).remote(rank, spec)
+                )
             address = self._get(self.workers[0].open_store.remote(), STARTUP_TIMEOUT_S)
             # All at once: init_process_group returns only when every rank has joined.
-            self._get_all([w.init_distributed.remote(address) for w in self.workers],
-                          STARTUP_TIMEOUT_S)
+            self._get_all(
+                [w.init_distributed.remote(address) for w in self.workers], STARTUP_TIMEOUT_S
+            )
             loaded = self._get_all([w.load.remote() for w in self.workers], STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -101,9 +113,14 @@ class RayExecutor(Executor):
         self.num_kv_blocks = min(n for n, _ in loaded)
         self.has_mtp = loaded[0][1]
         src = config.topk_src_rank
-        logger.info("Ray executor: tp=%d ep=%d, %s, %d KV blocks, top-k from %s", config.tp_size,
-                    config.ep_size, device, self.num_kv_blocks,
-                    "every rank" if src is None else f"rank {src}")
+        logger.info(
+            "Ray executor: tp=%d ep=%d, %s, %d KV blocks, top-k from %s",
+            config.tp_size,
+            config.ep_size,
+            device,
+            self.num_kv_blocks,
+            "every rank" if src is None else f"rank {src}",
+        )
 
     def _placement_group(self, ray, placement_group, num_gpus: int):
         """-> (placement group, bundle index of rank 0 or None for "any bundle")."""
@@ -115,8 +132,10 @@ class RayExecutor(Executor):
         bundle = {"CPU": self.config.actor_num_cpus}
         if num_gpus:
             bundle["GPU"] = num_gpus
-        pg = placement_group([dict(bundle) for _ in range(self.config.tp_size)],
-                             strategy=self.config.placement_strategy)
+        pg = placement_group(
+            [dict(bundle) for _ in range(self.config.tp_size)],
+            strategy=self.config.placement_strategy,
+        )
         self._owned_pg = pg
         try:
             ray.get(pg.ready(), timeout=STARTUP_TIMEOUT_S)

@@ -108,9 +108,7 @@ class SamplingParams:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
-        if not isinstance(self.stop, list) or not all(
-            isinstance(s, str) and s for s in self.stop
-        ):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop must be a non-empty string or a list of them", "stop")
         if not isinstance(self.stop_token_ids, list) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids

@@ -92,7 +92,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     scaling: dict[str, Any] = (
         {"autoscaling_config": args.autoscaling_config}
-        if args.autoscaling_config else {"num_replicas": args.num_replicas}
+        if args.autoscaling_config
+        else {"num_replicas": args.num_replicas}
     )
     model_server = serve.deployment(ModelServer).options(
         name=MODEL_SERVER_NAME,

@@ -110,16 +110,20 @@ class BatchRunner:
                 params.validate()
                 prompt_ids = _prompt_token_ids(request, self._engine.tokenizer)
                 last = None
-                async for last in self._engine.generate(
+                async for last in self._engine.generate(  # noqa: B007 (keep the last)
                     prompt_ids, params, f"batch-{uuid.uuid4().hex}"
                 ):
                     pass
-                self._write({
-                    "id": request_id, "text": last.text,
-                    "completion_token_ids": list(last.token_ids),
-                    "num_prompt_tokens": last.num_prompt_tokens,
-                    "finish_reason": last.finish_reason, "error": None,
-                })
+                self._write(
+                    {
+                        "id": request_id,
+                        "text": last.text,
+                        "completion_token_ids": list(last.token_ids),
+                        "num_prompt_tokens": last.num_prompt_tokens,
+                        "finish_reason": last.finish_reason,
+                        "error": None,
+                    }
+                )
             except Exception as exc:  # noqa: BLE001 - record it; the job goes on
                 self._write({"id": request_id, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -143,8 +147,11 @@ async def run_batch(
             runner._write({"id": request_id, "error": error})
         else:
             todo.append((request_id, request))
-    print(f"batch: {skipped} already done, {len(todo)} to run, "
-          f"{runner.num_failed} bad lines", file=sys.stderr, flush=True)
+    print(
+        f"batch: {skipped} already done, {len(todo)} to run, {runner.num_failed} bad lines",
+        file=sys.stderr,
+        flush=True,
+    )
     bar = tqdm(total=len(todo), desc="batch", unit="req", disable=not progress, file=sys.stderr)
 
     async def tracked(request_id, request):
@@ -192,21 +199,29 @@ def main(argv: list[str] | None = None) -> int:
 
         model = default_model_path()
     config = EngineConfig(
-        model=model, tp_size=args.tp, ep_size=args.ep, num_draft_tokens=args.num_draft_tokens,
-        device=args.device, max_queued_requests=max(256, args.concurrency),
+        model=model,
+        tp_size=args.tp,
+        ep_size=args.ep,
+        num_draft_tokens=args.num_draft_tokens,
+        device=args.device,
+        max_queued_requests=max(256, args.concurrency),
     )
 
     async def run() -> BatchRunner:
         engine = AsyncEngine(config)
         try:
-            return await run_batch(args.input, args.output, engine, args.concurrency,
-                                   progress=not args.no_progress)
+            return await run_batch(
+                args.input, args.output, engine, args.concurrency, progress=not args.no_progress
+            )
         finally:
             await engine.shutdown()
 
     runner = asyncio.run(run())
-    print(f"batch: {runner.num_succeeded} succeeded, {runner.num_failed} failed",
-          file=sys.stderr, flush=True)
+    print(
+        f"batch: {runner.num_succeeded} succeeded, {runner.num_failed} failed",
+        file=sys.stderr,
+        flush=True,
+    )
     return 1 if runner.num_failed else 0
 
 

@@ -1,8 +1,8 @@
 """`mtpserve` command line: argument parsing only; the work is in the modules it calls.
 
-    mtpserve serve [--model DIR] [--host H] [--port P] [--tp N] [--ep N] [--num-draft-tokens K]
-    mtpserve generate [--model DIR] --prompt TEXT [--max-tokens N] [--json] ...
-    mtpserve make-tiny-model DIR [--seed N]
+mtpserve serve [--model DIR] [--host H] [--port P] [--tp N] [--ep N] [--num-draft-tokens K]
+mtpserve generate [--model DIR] --prompt TEXT [--max-tokens N] [--json] ...
+mtpserve make-tiny-model DIR [--seed N]
 """
 
 from __future__ import annotations
@@ -14,14 +14,19 @@ import sys
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="checkpoint directory (default: the project's default model)")
+    parser.add_argument(
+        "--model", default=None, help="checkpoint directory (default: the project's default model)"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --tp)")
-    parser.add_argument("--num-draft-tokens", type=int, default=0,
-                        help="MTP draft length k (0 = speculation off)")
-    parser.add_argument("--share-topk", action="store_true",
-                        help="draft steps 1..k-1 reuse draft step 0's top-k indices")
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=0, help="MTP draft length k (0 = speculation off)"
+    )
+    parser.add_argument(
+        "--share-topk",
+        action="store_true",
+        help="draft steps 1..k-1 reuse draft step 0's top-k indices",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
 
@@ -33,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--address", default="local",
-                       help='Ray address; "local" starts a fresh local Ray (default)')
+    serve.add_argument(
+        "--address", default="local", help='Ray address; "local" starts a fresh local Ray (default)'
+    )
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--max-model-len", type=int, default=None)
     # Fractions so that a TP=2 engine, its coordinator and the ingress fit a 2-core laptop.
@@ -69,17 +75,26 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.offline import generate_once
 
         result = generate_once(
-            args.model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-            seed=args.seed, tp_size=args.tp, ep_size=args.ep,
-            num_draft_tokens=args.num_draft_tokens, share_topk=args.share_topk,
+            args.model,
+            args.prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            tp_size=args.tp,
+            ep_size=args.ep,
+            num_draft_tokens=args.num_draft_tokens,
+            share_topk=args.share_topk,
             device=args.device,
         )
         if args.json:
             print(json.dumps(result))
         else:
             print(result["text"])
-            print(f"[{len(result['completion_token_ids'])} tokens, "
-                  f"{result['mean_tokens_per_round']:.2f} tokens/round]", file=sys.stderr)
+            print(
+                f"[{len(result['completion_token_ids'])} tokens, "
+                f"{result['mean_tokens_per_round']:.2f} tokens/round]",
+                file=sys.stderr,
+            )
         return 0
 
     if args.command == "serve":
@@ -92,10 +107,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_model_len is not None:
             engine["max_model_len"] = args.max_model_len
         app_args = AppArgs(
-            model=args.model, tp_size=args.tp, ep_size=args.ep,
-            num_draft_tokens=args.num_draft_tokens, share_topk=args.share_topk,
-            device=args.device, engine=engine, actor_num_cpus=args.actor_num_cpus,
-            replica_num_cpus=args.replica_num_cpus, ingress_num_cpus=0.25,
+            model=args.model,
+            tp_size=args.tp,
+            ep_size=args.ep,
+            num_draft_tokens=args.num_draft_tokens,
+            share_topk=args.share_topk,
+            device=args.device,
+            engine=engine,
+            actor_num_cpus=args.actor_num_cpus,
+            replica_num_cpus=args.replica_num_cpus,
+            ingress_num_cpus=0.25,
         )
         serve_until_interrupted(app_args, args.host, args.port, address=args.address)
         return 0

@@ -54,7 +54,10 @@ _END = object()  # marks the end of one choice's stream inside `_merge`
 
 
 def error_response(
-    status_code: int, message: str, error_type: str, param: str | None = None,
+    status_code: int,
+    message: str,
+    error_type: str,
+    param: str | None = None,
     code: str | None = None,
 ) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(message=message, type=error_type, param=param, code=code))
@@ -63,7 +66,10 @@ def error_response(
 
 def failure_response(failure: GenerateFailure) -> JSONResponse:
     return error_response(
-        failure.status_code, failure.message, failure.error_type, failure.param,
+        failure.status_code,
+        failure.message,
+        failure.error_type,
+        failure.param,
         code=failure.error_type,
     )
 
@@ -74,14 +80,19 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return error_response(
-            400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}".strip(),
-            "invalid_request_error", code="json_invalid",
+            400,
+            f"malformed JSON body: {first.get('ctx', {}).get('error', '')}".strip(),
+            "invalid_request_error",
+            code="json_invalid",
         )
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     return error_response(
-        400, f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg")),
-        "invalid_request_error", param=param, code="invalid_value",
+        400,
+        f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg")),
+        "invalid_request_error",
+        param=param,
+        code="invalid_value",
     )
 
 
@@ -128,8 +139,10 @@ class OpenAIIngress:
         if requested in (info.model_name, info.model_dir):
             return None
         return error_response(
-            404, f"The model `{requested}` does not exist; this server serves "
-            f"`{info.model_name}`.", "invalid_request_error", param="model",
+            404,
+            f"The model `{requested}` does not exist; this server serves `{info.model_name}`.",
+            "invalid_request_error",
+            param="model",
             code="model_not_found",
         )
 
@@ -178,12 +191,18 @@ class OpenAIIngress:
             logprobs = None
             if request.logprobs is not None:
                 logprobs = serving.completion_logprobs(result.logprobs, tokenizer, len(prefix))
-            choices.append(CompletionChoice(
-                index=result.index, text=prefix + result.text, logprobs=logprobs,
-                finish_reason=result.finish_reason,
-            ))
+            choices.append(
+                CompletionChoice(
+                    index=result.index,
+                    text=prefix + result.text,
+                    logprobs=logprobs,
+                    finish_reason=result.finish_reason,
+                )
+            )
         return CompletionResponse(
-            id=request_id, model=info.model_name, choices=choices,
+            id=request_id,
+            model=info.model_name,
+            choices=choices,
             usage=serving.usage(results, plans),
         )
 
@@ -195,8 +214,9 @@ class OpenAIIngress:
         try:
             prompt_ids = serving.chat_prompt_token_ids(request, tokenizer)
         except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
-            return error_response(400, f"chat template failed: {exc}", "invalid_request_error",
-                                  param="messages")
+            return error_response(
+                400, f"chat template failed: {exc}", "invalid_request_error", param="messages"
+            )
         plans = await self._plan(serving.plan_chat, request, prompt_ids, info.max_model_len)
         if isinstance(plans, JSONResponse):
             return plans
@@ -218,14 +238,19 @@ class OpenAIIngress:
             ChatCompletionChoice(
                 index=r.index,
                 message=ChatResponseMessage(content=r.text),
-                logprobs=(serving.chat_logprobs(r.logprobs, tokenizer, num_top)
-                          if request.logprobs else None),
+                logprobs=(
+                    serving.chat_logprobs(r.logprobs, tokenizer, num_top)
+                    if request.logprobs
+                    else None
+                ),
                 finish_reason=r.finish_reason,
             )
             for r in results
         ]
         return ChatCompletionResponse(
-            id=request_id, model=info.model_name, choices=choices,
+            id=request_id,
+            model=info.model_name,
+            choices=choices,
             usage=serving.usage(results, plans),
         )
 
@@ -235,8 +260,12 @@ class OpenAIIngress:
         try:
             return plan_fn(request, prompts, max_model_len)
         except (InvalidRequestError, ValueError) as exc:
-            return error_response(400, getattr(exc, "message", None) or str(exc),
-                                  "invalid_request_error", getattr(exc, "param", None))
+            return error_response(
+                400,
+                getattr(exc, "message", None) or str(exc),
+                "invalid_request_error",
+                getattr(exc, "param", None),
+            )
 
     async def _open(self, request_id: str, plans: list[serving.ChoicePlan]):
         """Start one engine request per choice and wait for each one's first item."""
@@ -325,13 +354,25 @@ class OpenAIIngress:
                 for plan in plans:
                     prompt_text = tokenizer.decode(plan.prompt_token_ids)
                     text_offsets[plan.index] = len(prompt_text)
-                    yield _sse(CompletionChunk(id=request_id, model=info.model_name, choices=[
-                        CompletionChoice(index=plan.index, text=prompt_text)]).model_dump_json())
+                    yield _sse(
+                        CompletionChunk(
+                            id=request_id,
+                            model=info.model_name,
+                            choices=[CompletionChoice(index=plan.index, text=prompt_text)],
+                        ).model_dump_json()
+                    )
             async for index, item in merged:
                 if isinstance(item, GenerateFailure):
-                    yield _sse(ErrorResponse(error=ErrorBody(
-                        message=item.message, type=item.error_type, param=item.param,
-                        code=item.error_type)).model_dump_json())
+                    yield _sse(
+                        ErrorResponse(
+                            error=ErrorBody(
+                                message=item.message,
+                                type=item.error_type,
+                                param=item.param,
+                                code=item.error_type,
+                            )
+                        ).model_dump_json()
+                    )
                     break
                 results[index].update(item)
                 if not item.new_text and not item.finished:
@@ -339,18 +380,32 @@ class OpenAIIngress:
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = serving.completion_logprobs(
-                        item.new_logprobs or [], tokenizer, text_offsets[index])
+                        item.new_logprobs or [], tokenizer, text_offsets[index]
+                    )
                 text_offsets[index] += len(item.new_text)
-                chunk = CompletionChunk(id=request_id, model=info.model_name, choices=[
-                    CompletionChoice(index=index, text=item.new_text, logprobs=logprobs,
-                                     finish_reason=item.finish_reason if item.finished else None)
-                ])
+                chunk = CompletionChunk(
+                    id=request_id,
+                    model=info.model_name,
+                    choices=[
+                        CompletionChoice(
+                            index=index,
+                            text=item.new_text,
+                            logprobs=logprobs,
+                            finish_reason=item.finish_reason if item.finished else None,
+                        )
+                    ],
+                )
                 yield _sse(chunk.model_dump_json())
             else:
                 if include_usage:
-                    yield _sse(CompletionChunk(
-                        id=request_id, model=info.model_name, choices=[],
-                        usage=serving.usage(results, plans)).model_dump_json())
+                    yield _sse(
+                        CompletionChunk(
+                            id=request_id,
+                            model=info.model_name,
+                            choices=[],
+                            usage=serving.usage(results, plans),
+                        ).model_dump_json()
+                    )
             yield _sse("[DONE]")
         finally:
             await merged.aclose()
@@ -360,19 +415,36 @@ class OpenAIIngress:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
         def chunk(choices, usage=None) -> str:
-            return _sse(ChatCompletionChunk(
-                id=request_id, model=info.model_name, choices=choices, usage=usage,
-            ).model_dump_json())
+            return _sse(
+                ChatCompletionChunk(
+                    id=request_id,
+                    model=info.model_name,
+                    choices=choices,
+                    usage=usage,
+                ).model_dump_json()
+            )
 
         try:
             for plan in plans:
-                yield chunk([ChatChunkChoice(index=plan.index,
-                                             delta=ChatDelta(role="assistant", content=""))])
+                yield chunk(
+                    [
+                        ChatChunkChoice(
+                            index=plan.index, delta=ChatDelta(role="assistant", content="")
+                        )
+                    ]
+                )
             async for index, item in merged:
                 if isinstance(item, GenerateFailure):
-                    yield _sse(ErrorResponse(error=ErrorBody(
-                        message=item.message, type=item.error_type, param=item.param,
-                        code=item.error_type)).model_dump_json())
+                    yield _sse(
+                        ErrorResponse(
+                            error=ErrorBody(
+                                message=item.message,
+                                type=item.error_type,
+                                param=item.param,
+                                code=item.error_type,
+                            )
+                        ).model_dump_json()
+                    )
                     break
                 results[index].update(item)
                 if not item.new_text and not item.finished:
@@ -380,10 +452,16 @@ class OpenAIIngress:
                 logprobs = None
                 if request.logprobs:
                     logprobs = serving.chat_logprobs(item.new_logprobs or [], tokenizer, num_top)
-                yield chunk([ChatChunkChoice(
-                    index=index, delta=ChatDelta(content=item.new_text or None),
-                    logprobs=logprobs, finish_reason=item.finish_reason if item.finished else None,
-                )])
+                yield chunk(
+                    [
+                        ChatChunkChoice(
+                            index=index,
+                            delta=ChatDelta(content=item.new_text or None),
+                            logprobs=logprobs,
+                            finish_reason=item.finish_reason if item.finished else None,
+                        )
+                    ]
+                )
             else:
                 if include_usage:
                     yield chunk([], usage=serving.usage(results, plans))

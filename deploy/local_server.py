@@ -51,8 +51,9 @@ def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = 
     start_local_ray(address)
     try:
         url = deploy(args, host, port)
-        print(f"mtpserve: serving an OpenAI-compatible API at {url}/v1 (Ctrl-C to stop)",
-              flush=True)
+        print(
+            f"mtpserve: serving an OpenAI-compatible API at {url}/v1 (Ctrl-C to stop)", flush=True
+        )
         stop.wait()
         print("mtpserve: shutting down", flush=True)
     finally:

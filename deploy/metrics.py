@@ -40,14 +40,16 @@ class EngineMetrics:
             tag_keys=tags,
         )
         self.num_waiting = metrics.Gauge(
-            "mtpserve_num_waiting_requests", description="Requests queued in the engine.",
+            "mtpserve_num_waiting_requests",
+            description="Requests queued in the engine.",
             tag_keys=tags,
         )
         self.num_running = metrics.Gauge(
             "mtpserve_num_running_requests", description="Requests being decoded.", tag_keys=tags
         )
         self.kv_usage = metrics.Gauge(
-            "mtpserve_kv_cache_usage", description="Fraction of KV blocks in use (0..1).",
+            "mtpserve_kv_cache_usage",
+            description="Fraction of KV blocks in use (0..1).",
             tag_keys=tags,
         )
         self.mean_tokens_per_round = metrics.Gauge(
@@ -56,7 +58,8 @@ class EngineMetrics:
             tag_keys=tags,
         )
         self.num_prompt_tokens = metrics.Counter(
-            "mtpserve_prompt_tokens", description="Prompt tokens of requests the engine accepted.",
+            "mtpserve_prompt_tokens",
+            description="Prompt tokens of requests the engine accepted.",
             tag_keys=tags,
         )
         self.num_generation_tokens = metrics.Counter(
@@ -65,13 +68,21 @@ class EngineMetrics:
             tag_keys=tags,
         )
         self.num_finished = metrics.Counter(
-            "mtpserve_requests_finished", description="Finished requests by finish reason.",
+            "mtpserve_requests_finished",
+            description="Finished requests by finish reason.",
             tag_keys=("model", "finish_reason"),
         )
         for metric in (
-            self.time_to_first_token_s, self.time_per_output_token_s, self.mtp_accepted_length,
-            self.num_waiting, self.num_running, self.kv_usage, self.mean_tokens_per_round,
-            self.num_prompt_tokens, self.num_generation_tokens, self.num_finished,
+            self.time_to_first_token_s,
+            self.time_per_output_token_s,
+            self.mtp_accepted_length,
+            self.num_waiting,
+            self.num_running,
+            self.kv_usage,
+            self.mean_tokens_per_round,
+            self.num_prompt_tokens,
+            self.num_generation_tokens,
+            self.num_finished,
         ):
             metric.set_default_tags({"model": model_name})
 

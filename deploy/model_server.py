@@ -74,7 +74,9 @@ class ModelServer:
         self._engine = AsyncEngine(self._config)
         logger.info(
             "engine for %s ready in %.1f s (%s)",
-            self._engine.model_name, time.perf_counter() - started, self._config,
+            self._engine.model_name,
+            time.perf_counter() - started,
+            self._config,
         )
         self._metrics = EngineMetrics(self._engine.model_name)
         self._stats_task: asyncio.Task | None = None

@@ -129,9 +129,12 @@ def plan_chat(
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return [
         ChoicePlan(
-            i, 0, prompt_ids,
-            sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                            choice_index=i),
+            i,
+            0,
+            prompt_ids,
+            sampling_params(
+                request, max_tokens=max_tokens, num_logprobs=num_logprobs, choice_index=i
+            ),
         )
         for i in range(request.n)
     ]
@@ -175,19 +178,22 @@ def completion_logprobs(
     return result
 
 
-def chat_logprobs(
-    entries: list[dict[str, Any]], tokenizer, num_top: int
-) -> ChatChoiceLogprobs:
+def chat_logprobs(entries: list[dict[str, Any]], tokenizer, num_top: int) -> ChatChoiceLogprobs:
     content = []
     for entry in entries:
         token = _token_text(tokenizer, entry["token_id"])
         top = [
-            TopLogprob(token=(t := _token_text(tokenizer, tid)), logprob=float(lp),
-                       bytes=list(t.encode()))
+            TopLogprob(
+                token=(t := _token_text(tokenizer, tid)), logprob=float(lp), bytes=list(t.encode())
+            )
             for tid, lp in (entry.get("top") or [])[:num_top]
         ]
         content.append(
-            ChatTokenLogprob(token=token, logprob=float(entry["logprob"]),
-                             bytes=list(token.encode()), top_logprobs=top)
+            ChatTokenLogprob(
+                token=token,
+                logprob=float(entry["logprob"]),
+                bytes=list(token.encode()),
+                top_logprobs=top,
+            )
         )
     return ChatChoiceLogprobs(content=content)

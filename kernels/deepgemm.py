@@ -13,8 +13,9 @@ masked (a is [groups, max_m, k], `masked_m[g]` rows valid) for CUDA-graph decode
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

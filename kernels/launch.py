@@ -7,7 +7,8 @@ Triton's interpreter no PDL variant is ever compiled or launched (no `launch_pdl
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

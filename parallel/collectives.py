@@ -36,7 +36,10 @@ def tp_broadcast(x: torch.Tensor, src_tp_rank: int = 0) -> torch.Tensor:
 
 
 def tp_compute_on_one_rank(
-    compute, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    compute,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
     src_tp_rank: int = 0,
 ) -> torch.Tensor:
     """`compute()` on TP rank src only; the other ranks skip it and receive its result.

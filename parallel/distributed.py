@@ -49,7 +49,11 @@ def open_store(world_size: int, timeout_s: float) -> str:
     host = node_ip()
     # Port 0: the OS picks a free port and the store reports it, so no probe-then-bind race.
     _STORE = dist.TCPStore(
-        host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+        host,
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
     return f"{host}:{_STORE.port}"
@@ -60,8 +64,13 @@ def default_backend(device: torch.device) -> str:
 
 
 def init_distributed(
-    rank: int, world_size: int, tp_size: int, ep_size: int, store_address: str,
-    device: torch.device, timeout_s: float,
+    rank: int,
+    world_size: int,
+    tp_size: int,
+    ep_size: int,
+    store_address: str,
+    device: torch.device,
+    timeout_s: float,
 ) -> ParallelState:
     """Join the group and make it this process's parallel state (before the model is built).
 
@@ -82,8 +91,15 @@ def init_distributed(
     )
     state = ParallelState(tp_rank=rank, tp_size=tp_size, ep_size=ep_size, tp_group=dist.group.WORLD)
     set_parallel_state(state)
-    logger.info("rank %d/%d joined %s group (tp=%d ep=%d) via %s", rank, world_size, backend,
-                tp_size, ep_size, store_address)
+    logger.info(
+        "rank %d/%d joined %s group (tp=%d ep=%d) via %s",
+        rank,
+        world_size,
+        backend,
+        tp_size,
+        ep_size,
+        store_address,
+    )
     return state
 
 

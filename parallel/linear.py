@@ -83,7 +83,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         per_rank = _divide(size, self.tp_size, "out_features")
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
         _copy_checked(
-            param.data.narrow(0, offset, per_rank), loaded.narrow(0, self.tp_rank * per_rank, per_rank)
+            param.data.narrow(0, offset, per_rank),
+            loaded.narrow(0, self.tp_rank * per_rank, per_rank),
         )
 
 
@@ -91,7 +92,10 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W's columns (input features) split; partial sums all-reduced over TP."""
 
     def __init__(
-        self, in_features: int, out_features: int, dtype: torch.dtype | None = None,
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype | None = None,
         reduce_results: bool = True,
     ):
         super().__init__()

@@ -28,7 +28,7 @@ def _imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("package", ORDER)
 def test_imports_point_one_way(package):
-    allowed = set(ORDER[ORDER.index(package):])
+    allowed = set(ORDER[ORDER.index(package) :])
     forbidden = set(ORDER) - allowed
     for path in (ROOT / package).rglob("*.py"):
         bad = _imports(path) & forbidden
@@ -37,8 +37,10 @@ def test_imports_point_one_way(package):
 
 def test_import_cluster_with_cuda_hidden():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    code = ("import cluster, cluster.engine, cluster.scheduler, cluster.async_engine, "
-            "cluster.llm, cluster.executor; import torch; assert not torch.cuda.is_available()")
+    code = (
+        "import cluster, cluster.engine, cluster.scheduler, cluster.async_engine, "
+        "cluster.llm, cluster.executor; import torch; assert not torch.cuda.is_available()"
+    )
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=ROOT)
 
 

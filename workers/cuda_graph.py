@@ -39,13 +39,15 @@ class DecodeGraphs:
             positions=torch.zeros(n, dtype=torch.long, device=self.device),
             slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
             seq_idx=torch.arange(batch, device=self.device).repeat_interleave(tokens_per_seq),
-            block_tables=torch.zeros(batch, self.max_blocks_per_seq, dtype=torch.int32,
-                                     device=self.device),
+            block_tables=torch.zeros(
+                batch, self.max_blocks_per_seq, dtype=torch.int32, device=self.device
+            ),
         )
 
     def _forward(self, buf: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = AttentionMetadata(buf["positions"], buf["slot_mapping"], buf["seq_idx"],
-                                 buf["block_tables"])
+        meta = AttentionMetadata(
+            buf["positions"], buf["slot_mapping"], buf["seq_idx"], buf["block_tables"]
+        )
         hidden = self.model(buf["input_ids"], meta)
         return hidden, self.model.compute_logits(hidden)  # logits stay fp32
 
@@ -101,7 +103,9 @@ class ProposeGraphs:
         self.topk_share = topk_share
         self.decode = decode_graphs
         self.device = decode_graphs.device
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self.graphs: dict[
+            tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]
+        ] = {}
 
     def _buffers(self, batch: int, k: int) -> dict:
         rows = batch * (k + 1)
@@ -113,8 +117,9 @@ class ProposeGraphs:
             positions=torch.zeros(rows, dtype=torch.long, device=d),
             slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=d),
             seq_idx=torch.arange(batch, device=d).repeat_interleave(k + 1),
-            block_tables=torch.zeros(batch, self.decode.max_blocks_per_seq, dtype=torch.int32,
-                                     device=d),
+            block_tables=torch.zeros(
+                batch, self.decode.max_blocks_per_seq, dtype=torch.int32, device=d
+            ),
             last_idx=torch.arange(batch, device=d) * (k + 1),
             valid=torch.zeros(batch, dtype=torch.bool, device=d),
         )
@@ -122,10 +127,20 @@ class ProposeGraphs:
     def _forward(self, buf: dict, k: int, share: bool) -> torch.Tensor:
         from workers.mtp_proposer import draft_chain
 
-        meta = AttentionMetadata(buf["positions"], buf["slot_mapping"], buf["seq_idx"],
-                                 buf["block_tables"])
-        return draft_chain(self.model, self.topk_share, buf["tokens"], buf["hidden"], meta,
-                           buf["last_idx"], buf["valid"], k, share)
+        meta = AttentionMetadata(
+            buf["positions"], buf["slot_mapping"], buf["seq_idx"], buf["block_tables"]
+        )
+        return draft_chain(
+            self.model,
+            self.topk_share,
+            buf["tokens"],
+            buf["hidden"],
+            meta,
+            buf["last_idx"],
+            buf["valid"],
+            k,
+            share,
+        )
 
     def _capture(self, batch: int, k: int, share: bool) -> None:
         buf = self._buffers(batch, k)

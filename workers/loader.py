@@ -162,7 +162,9 @@ def _attach_mtp_part(model, pname: str, shape) -> None:
 
     cfg = model.config
     if pname == "mtp.embed_tokens.weight":
-        model.mtp.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, model.dtype)
+        model.mtp.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, model.dtype
+        )
     else:
         model.mtp.shared_head.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, model.dtype)
 
@@ -179,10 +181,12 @@ def _tie_mtp_parts(model) -> None:
 def _check_complete(model, params: dict, filled: dict[str, set]) -> None:
     n = model.config.num_hidden_layers
     cfg = model.config
-    for pname, param in params.items():
+    for pname in params:
         got = filled.get(pname)
         if got is None:
-            raise CheckpointError(f"tensor for {_ckpt_name(pname, n)!r} missing from the checkpoint")
+            raise CheckpointError(
+                f"tensor for {_ckpt_name(pname, n)!r} missing from the checkpoint"
+            )
         if pname.endswith("gate_up_proj.weight") and got != {0, 1}:
             part = "up_proj" if 0 in got else "gate_proj"
             raise CheckpointError(f"{_ckpt_name(pname, n).replace('gate_up_proj', part)!r} missing")
@@ -196,8 +200,12 @@ def _check_complete(model, params: dict, filled: dict[str, set]) -> None:
 
 def _missing_experts(got: set, num_experts: int, w13: bool) -> list[str]:
     if w13:
-        return [f"{e}.{p}" for e in range(num_experts) for i, p in enumerate(("gate_proj", "up_proj"))
-                if (e, i) not in got][:8]
+        return [
+            f"{e}.{p}"
+            for e in range(num_experts)
+            for i, p in enumerate(("gate_proj", "up_proj"))
+            if (e, i) not in got
+        ][:8]
     return [f"{e}.down_proj" for e in range(num_experts) if e not in got][:8]
 
 
@@ -222,7 +230,8 @@ def load_model(
     if enable_mtp and not with_mtp:
         logger.warning(
             "%s has no MTP layer (model.layers.%d.*): speculative decoding is off",
-            model_dir, config.num_hidden_layers,
+            model_dir,
+            config.num_hidden_layers,
         )
     model = DeepseekV32ForCausalLM(config, dtype=dtype, with_mtp=with_mtp)
     load_weights(model, model_dir, names)

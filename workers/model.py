@@ -89,7 +89,7 @@ class Rotary(nn.Module):
 
 
 class Indexer(nn.Module):
-    """The lightning indexer: which min(index_topk, pos + 1) past positions each token attends to."""
+    """The lightning indexer: the min(index_topk, pos + 1) past positions each token attends to."""
 
     def __init__(self, config, dtype: torch.dtype):
         super().__init__()
@@ -114,7 +114,10 @@ class Indexer(nn.Module):
             return self.compute(x, q_latent, cos_sin, meta, k_cache)
         return tp_compute_on_one_rank(
             lambda: self.compute(x, q_latent, cos_sin, meta, k_cache),
-            (x.shape[0], self.topk), torch.int32, x.device, self.src_tp_rank,
+            (x.shape[0], self.topk),
+            torch.int32,
+            x.device,
+            self.src_tp_rank,
         )
 
     def compute(
@@ -132,8 +135,14 @@ class Indexer(nn.Module):
             [ops.rope(q[..., : self.rope_dim], cos, sin, False), q[..., self.rope_dim :]], -1
         )
         k_rows = ops.indexer_k_cache_write(
-            self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
-            k_cache, meta.slot_mapping,
+            self.wk(x),
+            self.k_norm.weight,
+            self.k_norm.bias,
+            self.k_norm.eps,
+            cos,
+            sin,
+            k_cache,
+            meta.slot_mapping,
         )  # [T, index_head_dim], as written
         if self.fp8:
             q = ops.indexer_fp8(q)
@@ -143,7 +152,13 @@ class Indexer(nn.Module):
             ).to(k_cache.dtype)
         weights = self.weights_proj(x.float()) * self.num_heads**-0.5  # [T, H] fp32
         return ops.indexer_topk(
-            q, weights, k_cache, meta.block_tables, meta.seq_idx, meta.positions, self.topk,
+            q,
+            weights,
+            k_cache,
+            meta.block_tables,
+            meta.seq_idx,
+            meta.positions,
+            self.topk,
             self.head_dim**-0.5,
         )
 
@@ -191,8 +206,13 @@ class MLAAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = ops.rope(q_rope, cos, sin, True)
         ops.mla_kv_cache_write(
-            self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
-            cos, sin, kv_cache, meta.slot_mapping,
+            self.kv_a_proj_with_mqa(x),
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            cos,
+            sin,
+            kv_cache,
+            meta.slot_mapping,
         )
         if meta.shared_topk is not None:
             topk = meta.shared_topk
@@ -204,8 +224,13 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
         q_absorbed = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [T, H, kv_lora_rank]
         out_latent = ops.sparse_mla_attention(
-            torch.cat([q_absorbed, q_rope], -1), kv_cache, meta.block_tables, meta.seq_idx, topk,
-            self.softmax_scale, self.kv_lora_rank,
+            torch.cat([q_absorbed, q_rope], -1),
+            kv_cache,
+            meta.block_tables,
+            meta.seq_idx,
+            topk,
+            self.softmax_scale,
+            self.kv_lora_rank,
         )  # [T, H, kv_lora_rank]
         out = torch.einsum("thl,hvl->thv", out_latent, w_uv).reshape(num_tokens, -1)
         return self.o_proj(out)
@@ -232,14 +257,17 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's routed experts: w13 [E_local, 2 * I_local, hidden], w2 [E_local, hidden, I_local]."""
+    """This rank's routed experts: w13 [E_local, 2 * I_local, hidden], w2 [E_local, hidden,
+    I_local]."""
 
     def __init__(self, config, dtype: torch.dtype):
         super().__init__()
         state = get_parallel_state()
         self.num_experts = config.n_routed_experts
         if self.num_experts % state.ep_size:
-            raise ValueError(f"{self.num_experts} experts do not split over ep_size={state.ep_size}")
+            raise ValueError(
+                f"{self.num_experts} experts do not split over ep_size={state.ep_size}"
+            )
         self.num_local = self.num_experts // state.ep_size
         self.first_expert = state.ep_rank * self.num_local
         inter = config.moe_intermediate_size
@@ -249,7 +277,9 @@ class Experts(nn.Module):
         self.inter_local = inter // state.expert_tp_size
         self.inter_offset = state.expert_tp_rank * self.inter_local
         hidden = config.hidden_size
-        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter_local, hidden, dtype=dtype))
+        self.w13 = nn.Parameter(
+            torch.empty(self.num_local, 2 * self.inter_local, hidden, dtype=dtype)
+        )
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter_local, dtype=dtype))
         self.w13.weight_loader = self.load_w13
         self.w2.weight_loader = self.load_w2
@@ -282,7 +312,9 @@ class MoE(nn.Module):
         self.gate = Gate(config)
         self.experts = Experts(config, dtype)
         self.shared_experts = MLP(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, dtype,
+            config.hidden_size,
+            config.moe_intermediate_size * config.n_shared_experts,
+            dtype,
             reduce_results=False,
         )
 
@@ -290,8 +322,13 @@ class MoE(nn.Module):
         c = self.config
         router_logits = x.float() @ self.gate.weight.float().t()  # [T, E]
         weights, ids = ops.moe_route(
-            router_logits, self.gate.e_score_correction_bias, c.n_group, c.topk_group,
-            c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor,
+            router_logits,
+            self.gate.e_score_correction_bias,
+            c.n_group,
+            c.topk_group,
+            c.num_experts_per_tok,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
         )
         routed = ops.grouped_moe(
             x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first_expert
@@ -368,7 +405,9 @@ class DeepseekV32ForCausalLM(nn.Module):
         self.dtype = dtype
         n = config.num_hidden_layers
         self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.model.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype
+        )
         self.model.layers = nn.ModuleList([DecoderLayer(config, i, dtype) for i in range(n)])
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if getattr(config, "tie_word_embeddings", False):
@@ -388,7 +427,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         self.kv_caches, self.index_caches = kv_caches, index_caches
 
     def set_indexer_numerics(self, numerics: str) -> None:
-        """"exact" (transformers' numerics, the default) or "fp8" (DeepSeek's deployed indexer)."""
+        """ "exact" (transformers' numerics, the default) or "fp8" (DeepSeek's deployed indexer)."""
         if numerics not in ("exact", "fp8"):
             raise ValueError(f"indexer numerics must be 'exact' or 'fp8', got {numerics!r}")
         for module in self.modules():
@@ -418,7 +457,11 @@ class DeepseekV32ForCausalLM(nn.Module):
         """One MTP step: token i+1 and hidden state i -> MTP hidden after shared_head.norm."""
         n = self.config.num_hidden_layers
         return self.mtp(
-            input_ids, prev_hidden, self.rotary.cos_sin(meta), meta, self.kv_caches[n],
+            input_ids,
+            prev_hidden,
+            self.rotary.cos_sin(meta),
+            meta,
+            self.kv_caches[n],
             self.index_caches[n],
         )
 

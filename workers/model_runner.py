@@ -36,8 +36,13 @@ class _SeqState:
 
 class ModelRunner:
     def __init__(
-        self, model, num_blocks: int, block_size_tokens: int, device: torch.device,
-        cuda_graph_max_batch: int = 0, max_model_len: int = 8192,
+        self,
+        model,
+        num_blocks: int,
+        block_size_tokens: int,
+        device: torch.device,
+        cuda_graph_max_batch: int = 0,
+        max_model_len: int = 8192,
     ):
         self.model = model
         self.config = model.config
@@ -45,7 +50,11 @@ class ModelRunner:
         self.block_size = block_size_tokens
         self.num_blocks = num_blocks
         kv, idx = allocate_kv_caches(
-            self.config, num_blocks, block_size_tokens, model.dtype, device,
+            self.config,
+            num_blocks,
+            block_size_tokens,
+            model.dtype,
+            device,
             with_mtp=model.mtp is not None,
         )
         model.bind_caches(kv, idx)
@@ -113,7 +122,9 @@ class ModelRunner:
         states = [self._state(s) for s in seqs]
         tables_cpu = self._block_tables(seqs)
         tables = tables_cpu.to(self.device)
-        rows = [(i, s.start_position + j) for i, s in enumerate(seqs) for j in range(len(s.token_ids))]
+        rows = [
+            (i, s.start_position + j) for i, s in enumerate(seqs) for j in range(len(s.token_ids))
+        ]
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
         meta = self._metadata(rows, tables_cpu, tables)
         # Rows whose logits are needed: a verify's 1 + k positions, a final chunk's last one.
@@ -122,12 +133,16 @@ class ModelRunner:
         for s in seqs:
             offsets.append(start)
             if s.samples:
-                logit_rows.extend(range(start + len(s.token_ids) - 1 - s.num_draft_tokens,
-                                        start + len(s.token_ids)))
+                logit_rows.extend(
+                    range(
+                        start + len(s.token_ids) - 1 - s.num_draft_tokens, start + len(s.token_ids)
+                    )
+                )
             start += len(s.token_ids)
         if self._graphable(seqs):
-            hidden, logits = self.graphs.run(input_ids, meta.positions, meta.slot_mapping, tables,
-                                             len(seqs[0].token_ids))
+            hidden, logits = self.graphs.run(
+                input_ids, meta.positions, meta.slot_mapping, tables, len(seqs[0].token_ids)
+            )
         else:
             hidden = self.model(input_ids, meta)  # [T, hidden]
             logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
@@ -142,12 +157,17 @@ class ModelRunner:
             n = s.num_draft_tokens + 1
             seq_logits = logits[cursor : cursor + n]
             cursor += n
-            drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens :] if s.num_draft_tokens else []
-            tokens, accepted = verify_and_sample(seq_logits, drafts, s.sampling, state.generator,
-                                                 argmax[cursor - n : cursor])
+            drafts = (
+                s.token_ids[len(s.token_ids) - s.num_draft_tokens :] if s.num_draft_tokens else []
+            )
+            tokens, accepted = verify_and_sample(
+                seq_logits, drafts, s.sampling, state.generator, argmax[cursor - n : cursor]
+            )
             logprobs = None
             if s.sampling.num_logprobs is not None:
-                logprobs = token_logprobs(seq_logits[: len(tokens)], tokens, s.sampling.num_logprobs)
+                logprobs = token_logprobs(
+                    seq_logits[: len(tokens)], tokens, s.sampling.num_logprobs
+                )
             results.append(SeqResult(s.request_id, tokens, accepted, [], logprobs))
 
         if self.has_mtp and step.num_draft_tokens > 0:
@@ -212,16 +232,24 @@ class ModelRunner:
                 last_row[i] = len(pair_rows) - 1
             else:
                 end = s.start_position + len(s.token_ids) - 1
-                state.pending_hidden, state.pending_position = hidden[base + len(s.token_ids) - 1], end
+                state.pending_hidden, state.pending_position = (
+                    hidden[base + len(s.token_ids) - 1],
+                    end,
+                )
         if not last_row:
             return
         seq_ids = list(last_row)
         last_idx = torch.tensor(list(last_row.values()), device=self.device)
         drafts = draft_chain(
-            self.model, self.topk_share, torch.tensor(pair_tokens, device=self.device),
-            torch.cat(pair_hidden), self._metadata(pair_rows, tables_cpu, tables), last_idx,
+            self.model,
+            self.topk_share,
+            torch.tensor(pair_tokens, device=self.device),
+            torch.cat(pair_hidden),
+            self._metadata(pair_rows, tables_cpu, tables),
+            last_idx,
             torch.ones(len(seq_ids), dtype=torch.bool, device=self.device),
-            step.num_draft_tokens, step.share_topk,
+            step.num_draft_tokens,
+            step.share_topk,
         )
         proposals = drafts.tolist()  # [R, k]
         for i, tokens in zip(seq_ids, proposals):
@@ -241,11 +269,22 @@ class ModelRunner:
                 tokens.append(res.sampled_token_ids[r] if r < num_pairs else 0)
                 hidden_rows.append(offsets[i] + min(r, num_pairs - 1))
                 positions.append(position)
-                slot = blocks[position // self.block_size] * self.block_size + \
-                    position % self.block_size
+                slot = (
+                    blocks[position // self.block_size] * self.block_size
+                    + position % self.block_size
+                )
                 slots.append(slot if r < num_pairs else -1)
             last_idx.append(i * width + num_pairs - 1)
-        drafts = self.propose_graphs.run(tokens, hidden_rows, positions, slots, last_idx, hidden,
-                                         tables, step.num_draft_tokens, step.share_topk)
+        drafts = self.propose_graphs.run(
+            tokens,
+            hidden_rows,
+            positions,
+            slots,
+            last_idx,
+            hidden,
+            tables,
+            step.num_draft_tokens,
+            step.share_topk,
+        )
         for res, proposal in zip(results, drafts.tolist()):
             res.next_draft_token_ids = proposal

@@ -7,7 +7,8 @@ Sampling (speculative rejection sampling, Leviathan et al. / Chen et al.): the M
 are greedy, so the draft distribution q is one-hot at d. Draft d is accepted with probability
 min(1, p(d) / q(d)) = p(d); on rejection the replacement is drawn from the residual
 norm(max(0, p - q)), which is p with d removed, renormalized. Then every emitted token is
-distributed exactly as p: P(d) = p(d) * 1 + 0, and for x != d, P(x) = (1 - p(d)) * p(x) / (1 - p(d)).
+distributed exactly as p: P(d) = p(d) * 1 + 0, and for x != d,
+P(x) = (1 - p(d)) * p(x) / (1 - p(d)).
 When all k drafts are accepted, a bonus token is drawn from the target's next distribution.
 """
 
@@ -67,7 +68,7 @@ def verify_and_sample(
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[dict]:
-    """The model's log-probabilities (before sampling transforms) of emitted tokens, and the top-n."""
+    """Raw log-probabilities (before sampling transforms) of the emitted tokens and the top-n."""
     logp = logits.float().log_softmax(-1)
     out = []
     for row, tok in zip(logp, token_ids):

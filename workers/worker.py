@@ -35,11 +35,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 class Worker:
     def __init__(
-        self, model_dir: str, device: str = "auto", dtype: str = "auto",
-        num_kv_blocks: int | None = None, block_size_tokens: int = 64,
-        enable_mtp: bool = True, gpu_memory_utilization: float = 0.85, local_rank: int = 0,
-        cpu_threads: int | None = None, topk_src_rank: int | None = None,
-        cuda_graph_max_batch: int = 0, max_model_len: int = 8192, max_num_seqs: int = 64,
+        self,
+        model_dir: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        num_kv_blocks: int | None = None,
+        block_size_tokens: int = 64,
+        enable_mtp: bool = True,
+        gpu_memory_utilization: float = 0.85,
+        local_rank: int = 0,
+        cpu_threads: int | None = None,
+        topk_src_rank: int | None = None,
+        cuda_graph_max_batch: int = 0,
+        max_model_len: int = 8192,
+        max_num_seqs: int = 64,
         indexer_numerics: str = "exact",
     ):
         from workers.loader import load_model
@@ -59,8 +68,14 @@ class Worker:
                 block_size_tokens, gpu_memory_utilization, max_num_seqs, max_model_len
             )
         self.num_kv_blocks = num_kv_blocks
-        self.runner = ModelRunner(self.model, num_kv_blocks, block_size_tokens, self.device,
-                                  cuda_graph_max_batch, max_model_len)
+        self.runner = ModelRunner(
+            self.model,
+            num_kv_blocks,
+            block_size_tokens,
+            self.device,
+            cuda_graph_max_batch,
+            max_model_len,
+        )
 
     @property
     def has_mtp(self) -> bool:
@@ -80,9 +95,14 @@ class Worker:
         budget = max(0, int(total * utilization) - (total - free))
         per_block = cache_bytes_per_block(self.config, block_size_tokens, self.dtype, self.has_mtp)
         blocks = max(min(budget // per_block, wanted), per_seq + 1)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB; GPU free %.1f of %.1f GiB)",
-                    blocks, block_size_tokens, blocks * per_block / 2**30, free / 2**30,
-                    total / 2**30)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB; GPU free %.1f of %.1f GiB)",
+            blocks,
+            block_size_tokens,
+            blocks * per_block / 2**30,
+            free / 2**30,
+            total / 2**30,
+        )
         return int(blocks)
 
     def execute(self, step: StepInput) -> StepOutput:

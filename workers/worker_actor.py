@@ -58,19 +58,34 @@ class WorkerActor:
 
     def init_distributed(self, store_address: str) -> int:
         s = self.spec
-        init_distributed(self.rank, s.tp_size, s.tp_size, s.ep_size, store_address, self.device,
-                         s.collective_timeout_s)
+        init_distributed(
+            self.rank,
+            s.tp_size,
+            s.tp_size,
+            s.ep_size,
+            store_address,
+            self.device,
+            s.collective_timeout_s,
+        )
         return self.rank
 
     def load(self) -> tuple[int, bool]:
         """-> (num_kv_blocks this rank can hold, whether the checkpoint has an MTP layer)."""
         s = self.spec
         self.worker = Worker(
-            s.model, self.device.type, s.dtype, s.num_kv_blocks, s.block_size_tokens,
-            enable_mtp=True, gpu_memory_utilization=s.gpu_memory_utilization,
-            cpu_threads=s.cpu_threads, topk_src_rank=s.topk_src_rank,
-            cuda_graph_max_batch=s.cuda_graph_max_batch, max_model_len=s.max_model_len,
-            max_num_seqs=s.max_num_seqs, indexer_numerics=s.indexer_numerics,
+            s.model,
+            self.device.type,
+            s.dtype,
+            s.num_kv_blocks,
+            s.block_size_tokens,
+            enable_mtp=True,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            cpu_threads=s.cpu_threads,
+            topk_src_rank=s.topk_src_rank,
+            cuda_graph_max_batch=s.cuda_graph_max_batch,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            indexer_numerics=s.indexer_numerics,
         )
         return self.worker.num_kv_blocks, self.worker.has_mtp
 
@@ -93,4 +108,3 @@ class WorkerActor:
     def shutdown(self) -> None:
         self.worker = None
         destroy_distributed()
-

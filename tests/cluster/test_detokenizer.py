@@ -112,7 +112,10 @@ def test_stop_string_across_token_boundary(tokenizer: Tokenizer) -> None:
     assert not any(stop in p for p in pieces)
 
     config = SchedulerConfig(
-        max_num_seqs=2, max_num_batched_tokens=64, block_size_tokens=4, num_blocks=33,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        block_size_tokens=4,
+        num_blocks=33,
         max_model_len=128,
     )
     sched = Scheduler(config, tokenizer=tokenizer)

@@ -34,9 +34,15 @@ def reference(tiny_model_dir, prompts):
     model = DeepseekV32ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     out = []
     for p in prompts:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=2, min_new_tokens=MAX_TOKENS)
-        out.append(ids[0, len(p):].tolist())
+        ids = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+            min_new_tokens=MAX_TOKENS,
+        )
+        out.append(ids[0, len(p) :].tolist())
     return out
 
 
@@ -59,8 +65,14 @@ def test_greedy_with_mtp_is_identical(tiny_model_dir, prompts, reference, k, sha
 def test_greedy_identical_under_preemption(tiny_model_dir, prompts, reference, k):
     # 5 usable blocks of 64 tokens for 18 requests of up to 70 tokens: requests must be
     # preempted (recomputed) over and over.
-    llm = LLM(tiny_model_dir, num_draft_tokens=k, num_kv_blocks=6, max_model_len=256,
-              max_num_seqs=16, dtype="float32")
+    llm = LLM(
+        tiny_model_dir,
+        num_draft_tokens=k,
+        num_kv_blocks=6,
+        max_model_len=256,
+        max_num_seqs=16,
+        dtype="float32",
+    )
     preemptions = []
     original = llm.engine.scheduler._preempt
     llm.engine.scheduler._preempt = lambda r, o: (preemptions.append(r.request_id), original(r, o))
@@ -91,8 +103,12 @@ class OracleDrafts:
             for s, res in zip(seqs, results):
                 if not s.samples:
                     continue
-                length = (s.start_position + len(s.token_ids) - s.num_draft_tokens
-                          + len(res.sampled_token_ids))
+                length = (
+                    s.start_position
+                    + len(s.token_ids)
+                    - s.num_draft_tokens
+                    + len(res.sampled_token_ids)
+                )
                 truth = oracle.sequences[s.request_id][length : length + step.num_draft_tokens]
                 truth += [3] * (step.num_draft_tokens - len(truth))
                 res.next_draft_token_ids = [

@@ -16,13 +16,18 @@ def test_seeded_sampling_reproduces(tiny_model_dir, k):
     llm = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32")
 
     def run(seed):
-        params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=seed,
-                                ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=16, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True
+        )
         return [o.token_ids for o in llm.generate(PROMPTS, params)]
 
     first, again, other = run(7), run(7), run(8)
     assert first == again
     assert first != other
-    greedy = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(
-        max_tokens=16, temperature=0.0, ignore_eos=True))]
+    greedy = [
+        o.token_ids
+        for o in llm.generate(
+            PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        )
+    ]
     assert first != greedy  # temperature 0.8 over a 512-token vocabulary really samples

@@ -281,9 +281,7 @@ def test_stop_string_spanning_tokens_cuts_text() -> None:
 
 
 def test_draft_rollback_frees_blocks() -> None:
-    sched = make_scheduler(
-        num_draft_tokens=5, block_size_tokens=2, num_blocks=33, max_model_len=32
-    )
+    sched = make_scheduler(num_draft_tokens=5, block_size_tokens=2, num_blocks=33, max_model_len=32)
     bm = sched.block_manager
     r = make_request("r", 3, arrival=0.0)
     sched.add(r)

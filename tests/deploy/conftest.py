@@ -1,4 +1,5 @@
-"""Session fixtures (the tiny checkpoint comes from tests/conftest.py): one local Ray (2 CPUs), one Serve app over HTTP.
+"""Session fixtures (the tiny checkpoint comes from tests/conftest.py): one local Ray (2 CPUs),
+one Serve app over HTTP.
 
 Ray starts once per session (`ray.init` ~6 s on the 2-core CI box, Serve app up ~4 s later);
 every actor and replica asks for 0.1 CPU so engine + ingress + a second app fit in 2 cores.
@@ -145,33 +146,66 @@ class RayHead:
 
 
 @contextlib.contextmanager
-def ray_head(num_cpus: float, extra_args: tuple[str, ...] = (), extra_env: dict | None = None,
-             gcs_port: int | None = None, timeout_s: float = 120.0, stop_timeout_s: float = 10.0):
+def ray_head(
+    num_cpus: float,
+    extra_args: tuple[str, ...] = (),
+    extra_env: dict | None = None,
+    gcs_port: int | None = None,
+    timeout_s: float = 120.0,
+    stop_timeout_s: float = 10.0,
+):
     """Start a fresh single-node Ray head; stop it by signalling its process group, then kill
     whatever is left under its temp dir; never `ray stop`, which would kill every Ray on the
     machine (the other tests' and other engineers'). `ray start --block` often takes over 30 s
     to finish on SIGTERM on the 2-core box, hence SIGKILL after `stop_timeout_s`."""
     temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: unix socket path limit
     gcs_port, dashboard_port = gcs_port or free_port(), free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(extra_env or {}),
-           "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        **(extra_env or {}),
+        "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     env.pop("RAY_ADDRESS", None)
     command = [
-        str(BIN_DIR / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-        "--num-cpus", str(num_cpus), "--temp-dir", temp_dir,
-        "--port", str(gcs_port), "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(dashboard_port), "--include-dashboard", "true",
-        "--dashboard-agent-listen-port", str(free_port()),
-        "--dashboard-agent-grpc-port", str(free_port()),
-        "--metrics-export-port", str(free_port()),
-        "--runtime-env-agent-port", str(free_port()),
-        "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
-        "--ray-client-server-port", str(free_port()), *extra_args,
+        str(BIN_DIR / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        "--num-cpus",
+        str(num_cpus),
+        "--temp-dir",
+        temp_dir,
+        "--port",
+        str(gcs_port),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dashboard_port),
+        "--include-dashboard",
+        "true",
+        "--dashboard-agent-listen-port",
+        str(free_port()),
+        "--dashboard-agent-grpc-port",
+        str(free_port()),
+        "--metrics-export-port",
+        str(free_port()),
+        "--runtime-env-agent-port",
+        str(free_port()),
+        "--node-manager-port",
+        str(free_port()),
+        "--object-manager-port",
+        str(free_port()),
+        "--ray-client-server-port",
+        str(free_port()),
+        *extra_args,
     ]
     log_path = Path(temp_dir) / "ray-start.log"
     log = open(log_path, "w")  # noqa: SIM115 - the head writes to it until the finally
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     import httpx
 
     dashboard_url = f"http://127.0.0.1:{dashboard_port}"

@@ -44,8 +44,12 @@ def _rows(path: Path) -> list[dict]:
 
 def _job(address: str, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(BIN_DIR / "ray"), "job", *args], env={**env, "RAY_ADDRESS": address},
-        capture_output=True, text=True, timeout=300, check=check,
+        [str(BIN_DIR / "ray"), "job", *args],
+        env={**env, "RAY_ADDRESS": address},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=check,
     )
 
 
@@ -55,14 +59,35 @@ def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path
 
     address, env = job_head
     input_path, output_path = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
-    lines = [json.dumps({"id": f"p{i}", "prompt": p, "max_tokens": MAX_TOKENS,
-                         "temperature": 0.0, "ignore_eos": True}) for i, p in enumerate(PROMPTS)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"p{i}",
+                "prompt": p,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     lines.insert(3, "{this is not json")
     input_path.write_text("\n".join(lines) + "\n")
     entrypoint = [
-        "--", sys.executable, "-m", "deploy.batch", "--input", str(input_path),
-        "--output", str(output_path), "--model", tiny_model_dir, "--device", "cpu",
-        "--concurrency", "1",
+        "--",
+        sys.executable,
+        "-m",
+        "deploy.batch",
+        "--input",
+        str(input_path),
+        "--output",
+        str(output_path),
+        "--model",
+        tiny_model_dir,
+        "--device",
+        "cpu",
+        "--concurrency",
+        "1",
     ]
 
     # Run 1: interrupted (`ray job stop`) once some rows are on disk.

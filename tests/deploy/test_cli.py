@@ -16,8 +16,12 @@ MTPSERVE = str(Path(sys.executable).parent / "mtpserve")
 
 def test_make_tiny_model_is_deterministic(tmp_path):
     for name in ("a", "b"):
-        subprocess.run([MTPSERVE, "make-tiny-model", str(tmp_path / name), "--seed", "3"],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [MTPSERVE, "make-tiny-model", str(tmp_path / name), "--seed", "3"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     a = (tmp_path / "a" / "model.safetensors").read_bytes()
     assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
 
@@ -28,9 +32,27 @@ def test_generate_json_with_mtp_equals_greedy_without(tiny_model_dir):
 
     prompt = "Once upon a time"
     done = subprocess.run(
-        [MTPSERVE, "generate", "--model", tiny_model_dir, "--prompt", prompt, "--max-tokens",
-         "12", "--temperature", "0", "--num-draft-tokens", "2", "--device", "cpu", "--json"],
-        check=True, capture_output=True, text=True, timeout=150,
+        [
+            MTPSERVE,
+            "generate",
+            "--model",
+            tiny_model_dir,
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--num-draft-tokens",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     [reference] = LLM(tiny_model_dir, device="cpu").generate(

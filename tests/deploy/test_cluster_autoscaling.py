@@ -36,8 +36,9 @@ def fake_cluster_config(gcs_address: str) -> dict:
     launcher = yaml.safe_load(LAUNCHER.read_text())
     gpu_worker = launcher["available_node_types"][WORKER_TYPE]
     assert gpu_worker["resources"]["GPU"] >= 1
-    assert launcher["available_node_types"][launcher["head_node_type"]]["resources"].get(
-        "GPU", 0) == 0
+    assert (
+        launcher["available_node_types"][launcher["head_node_type"]]["resources"].get("GPU", 0) == 0
+    )
     return {
         "cluster_name": "mtpserve-fake",
         "max_workers": 2,
@@ -51,17 +52,32 @@ def fake_cluster_config(gcs_address: str) -> dict:
             "gcs_address": gcs_address,  # else the provider assumes port 6379
         },
         "available_node_types": {
-            FAKE_HEAD_TYPE: {"resources": {"CPU": HEAD_NUM_CPUS}, "node_config": {},
-                             "max_workers": 0},
+            FAKE_HEAD_TYPE: {
+                "resources": {"CPU": HEAD_NUM_CPUS},
+                "node_config": {},
+                "max_workers": 0,
+            },
             # One TP=1 engine per node: {CPU: 0.2} + {CPU: 0.1, GPU: 1} bundles.
-            WORKER_TYPE: {"resources": {"CPU": 1, "GPU": 1}, "node_config": {},
-                          "min_workers": 0, "max_workers": 2},
+            WORKER_TYPE: {
+                "resources": {"CPU": 1, "GPU": 1},
+                "node_config": {},
+                "min_workers": 0,
+                "max_workers": 2,
+            },
         },
         "head_node_type": FAKE_HEAD_TYPE,
-        "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [],
-        "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
-        "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-        "worker_setup_commands": [], "head_start_ray_commands": [],
+        "auth": {},
+        "docker": {},
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
         "worker_start_ray_commands": [],
     }
 
@@ -70,14 +86,22 @@ def serve_config(model_dir: str, port: int) -> dict:
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{
-            "name": "mtpserve", "route_prefix": "/", "import_path": "deploy.app:build_app",
-            "args": {
-                "model": model_dir, "device": "cpu", "gpus_per_worker": 1.0,
-                "replica_num_cpus": 0.1, "actor_num_cpus": 0.1, "ingress_num_cpus": 0.1,
-                "engine": {"max_num_seqs": 4, "num_kv_blocks": 64},
-            },
-        }],
+        "applications": [
+            {
+                "name": "mtpserve",
+                "route_prefix": "/",
+                "import_path": "deploy.app:build_app",
+                "args": {
+                    "model": model_dir,
+                    "device": "cpu",
+                    "gpus_per_worker": 1.0,
+                    "replica_num_cpus": 0.1,
+                    "actor_num_cpus": 0.1,
+                    "ingress_num_cpus": 0.1,
+                    "engine": {"max_num_seqs": 4, "num_kv_blocks": 64},
+                },
+            }
+        ],
     }
 
 
@@ -96,8 +120,14 @@ def _serve_app(dashboard_url: str) -> dict | None:
 
 
 def _serve(head, *args: str) -> None:
-    subprocess.run([str(BIN_DIR / "serve"), *args, "--address", head.dashboard_url],
-                   env=head.env, check=True, capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [str(BIN_DIR / "serve"), *args, "--address", head.dashboard_url],
+        env=head.env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_replica_that_does_not_fit_adds_a_gpu_node_and_idle_node_goes(tiny_model_dir, tmp_path):
@@ -108,11 +138,16 @@ def test_replica_that_does_not_fit_adds_a_gpu_node_and_idle_node_goes(tiny_model
 
     gcs_port = free_port()
     cluster_path = tmp_path / "fake-cluster.yaml"
-    cluster_path.write_text(yaml.safe_dump(
-        fake_cluster_config(f"{get_node_ip_address()}:{gcs_port}")))
+    cluster_path.write_text(
+        yaml.safe_dump(fake_cluster_config(f"{get_node_ip_address()}:{gcs_port}"))
+    )
     fake_env = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
-    with ray_head(HEAD_NUM_CPUS, extra_args=(f"--autoscaling-config={cluster_path}",),
-                  extra_env=fake_env, gcs_port=gcs_port) as head:
+    with ray_head(
+        HEAD_NUM_CPUS,
+        extra_args=(f"--autoscaling-config={cluster_path}",),
+        extra_env=fake_env,
+        gcs_port=gcs_port,
+    ) as head:
         deadline = time.monotonic() + 60
         while not (nodes := _nodes(head.dashboard_url)):  # the dashboard can beat the raylet
             assert time.monotonic() < deadline, "the head node never registered"
@@ -142,10 +177,14 @@ def test_replica_that_does_not_fit_adds_a_gpu_node_and_idle_node_goes(tiny_model
         assert server_replica["node_id"] == worker["node_id"]
         assert ingress_replica["node_id"] == head_node["node_id"]
 
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
-            "model": tiny_model_dir, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0})
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": tiny_model_dir, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0},
+        )
         [reference] = LLM(tiny_model_dir, device="cpu").generate(
-            [PROMPT], SamplingParams(temperature=0.0, max_tokens=6))
+            [PROMPT], SamplingParams(temperature=0.0, max_tokens=6)
+        )
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == reference.text
 
@@ -159,5 +198,7 @@ def test_replica_that_does_not_fit_adds_a_gpu_node_and_idle_node_goes(tiny_model
         assert downscale_s >= IDLE_TIMEOUT_MINUTES * 60 - 1
         dead = [n for n in _nodes(head.dashboard_url) if n["node_id"] == worker["node_id"]]
         assert [n["state"] for n in dead] == ["DEAD"]
-        print(f"node added and app running in {upscale_s:.1f} s; "
-              f"idle node removed {downscale_s:.1f} s after serve shutdown")
+        print(
+            f"node added and app running in {upscale_s:.1f} s; "
+            f"idle node removed {downscale_s:.1f} s after serve shutdown"
+        )

@@ -36,9 +36,11 @@ def test_load_has_no_errors_matches_offline_and_frees_kv(serve_url, served_model
         load_test.model_vocab_size(tiny_model_dir), NUM_PROMPTS, PROMPT_LEN, seed=1
     )
     texts: dict[int, set[str]] = {}
-    result = asyncio.run(load_test.run_load(
-        serve_url, served_model["id"], prompts, CONCURRENCY, DURATION_S, MAX_TOKENS, texts
-    ))
+    result = asyncio.run(
+        load_test.run_load(
+            serve_url, served_model["id"], prompts, CONCURRENCY, DURATION_S, MAX_TOKENS, texts
+        )
+    )
     assert result.num_errors == 0, result.first_errors
     assert result.num_requests >= CONCURRENCY  # every client finished at least one request
     assert result.num_output_tokens == result.num_requests * MAX_TOKENS

@@ -20,8 +20,10 @@ from conftest import app_args
 
 pytestmark = pytest.mark.timeout(180)
 
-SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+"
-                    r"(?P<value>\S+)")
+SAMPLE = re.compile(
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+"
+    r"(?P<value>\S+)"
+)
 APP = "metricsapp"
 PROMPTS = ["The capital of France is", "Once upon a time there", "def fibonacci(n):"]
 MAX_TOKENS = 7
@@ -57,7 +59,8 @@ def scrape(url: str, model: str) -> dict[str, float]:
         if labels.get("model") != model or labels.get("application") != APP:
             continue
         key = match["name"] + "".join(
-            f"|{k}={labels[k]}" for k in ("le", "finish_reason") if k in labels)
+            f"|{k}={labels[k]}" for k in ("le", "finish_reason") if k in labels
+        )
         totals[key] += float(match["value"])
     return dict(totals)
 
@@ -79,7 +82,10 @@ def test_token_counters_and_latency_histograms_reach_prometheus(
     prompt_tokens = 0
     for prompt in PROMPTS:
         response = client.completions.create(
-            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
             extra_body={"ignore_eos": True},
         )
         assert response.usage.completion_tokens == MAX_TOKENS
@@ -91,10 +97,11 @@ def test_token_counters_and_latency_histograms_reach_prometheus(
     deadline = time.monotonic() + 90
     while True:
         after = scrape(url, model)
-        if (_counter(after, "mtpserve_generation_tokens") >= generated
-                and _counter(after, "mtpserve_prompt_tokens") >= prompt_tokens
-                and after.get("ray_mtpserve_time_per_output_token_seconds_count", 0)
-                >= len(PROMPTS)):
+        if (
+            _counter(after, "mtpserve_generation_tokens") >= generated
+            and _counter(after, "mtpserve_prompt_tokens") >= prompt_tokens
+            and after.get("ray_mtpserve_time_per_output_token_seconds_count", 0) >= len(PROMPTS)
+        ):
             break
         assert time.monotonic() < deadline, sorted(after)
         time.sleep(1)
@@ -104,7 +111,8 @@ def test_token_counters_and_latency_histograms_reach_prometheus(
     assert _counter(after, "mtpserve_prompt_tokens") == prompt_tokens
     finished = {k: v for k, v in after.items() if k.startswith("ray_mtpserve_requests_finished")}
     assert sum(v for k, v in finished.items() if "finish_reason=length" in k) == len(PROMPTS), (
-        finished)
+        finished
+    )
 
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
         count = after[f"ray_mtpserve_{name}_count"]
@@ -113,7 +121,8 @@ def test_token_counters_and_latency_histograms_reach_prometheus(
         # Plausible: positive, and a tiny model on CPU is well under 10 s per token/request.
         assert 0 < total_s / count < 10, (name, total_s / count)
         buckets = sorted(
-            (float(k.split("|le=")[1]), v) for k, v in after.items()
+            (float(k.split("|le=")[1]), v)
+            for k, v in after.items()
             if k.startswith(f"ray_mtpserve_{name}_bucket|le=")
         )
         assert buckets and buckets[-1][0] == math.inf

@@ -91,7 +91,10 @@ def test_chat_greedy_equals_offline_llm_on_templated_prompt(
 
 def test_max_completion_tokens_bounds_chat(client, served_model):
     response = client.chat.completions.create(
-        model=served_model["id"], messages=CHAT, max_completion_tokens=5, temperature=0.0,
+        model=served_model["id"],
+        messages=CHAT,
+        max_completion_tokens=5,
+        temperature=0.0,
         extra_body={"ignore_eos": True},
     )
     assert response.usage.completion_tokens == 5
@@ -101,12 +104,16 @@ def test_max_completion_tokens_bounds_chat(client, served_model):
 def test_chat_stream_with_usage_equals_non_stream(client, served_model):
     kwargs = dict(model=served_model["id"], messages=CHAT, max_tokens=10, temperature=0.0)
     whole = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True}
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == [whole.choices[0].finish_reason]
     # Usage arrives once, in the last chunk, which has no choices.
     assert [c.usage is not None for c in chunks].count(True) == 1
@@ -116,9 +123,9 @@ def test_chat_stream_with_usage_equals_non_stream(client, served_model):
 def test_completion_stream_equals_non_stream(client, served_model):
     kwargs = dict(model=served_model["id"], prompt=PROMPT, max_tokens=10, temperature=0.0)
     whole = client.completions.create(**kwargs)
-    chunks = list(client.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True}
-    ))
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage == whole.usage
 
@@ -155,8 +162,9 @@ def test_seed_reproduces_and_differs_across_seeds(client, served_model):
 
 
 def test_stop_string_truncates_at_first_occurrence(client, served_model):
-    common = dict(model=served_model["id"], prompt=PROMPT, temperature=0.0,
-                  extra_body={"ignore_eos": True})
+    common = dict(
+        model=served_model["id"], prompt=PROMPT, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     full = client.completions.create(**common, max_tokens=24).choices[0].text
     stop = full[6:8]
     assert stop, f"reference completion too short: {full!r}"
@@ -168,9 +176,13 @@ def test_stop_string_truncates_at_first_occurrence(client, served_model):
 def test_top_k_1_extension_equals_greedy(client, served_model):
     common = dict(model=served_model["id"], prompt=PROMPT, max_tokens=10)
     greedy = client.completions.create(**common, temperature=0.0).choices[0].text
-    top1 = client.completions.create(
-        **common, temperature=1.0, seed=5, extra_body={"top_k": 1, "ignore_eos": False}
-    ).choices[0].text
+    top1 = (
+        client.completions.create(
+            **common, temperature=1.0, seed=5, extra_body={"top_k": 1, "ignore_eos": False}
+        )
+        .choices[0]
+        .text
+    )
     assert top1 == greedy
 
 
@@ -183,8 +195,12 @@ def test_chat_logprobs_equal_offline_llm(client, served_model, offline_llm, toke
         [prompt_ids], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
     )
     response = client.chat.completions.create(
-        model=served_model["id"], messages=CHAT, max_tokens=6, temperature=0.0,
-        logprobs=True, top_logprobs=3,
+        model=served_model["id"],
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=3,
     )
     content = response.choices[0].logprobs.content
     assert [t.token for t in content] == [tokenizer.decode([i]) for i in reference.token_ids]
@@ -202,9 +218,13 @@ def test_chat_logprobs_equal_offline_llm(client, served_model, offline_llm, toke
 
 def test_completion_logprobs_follow_the_tokens(client, served_model, offline_llm, tokenizer):
     reference = _greedy(offline_llm, PROMPT, 5)
-    logprobs = client.completions.create(
-        model=served_model["id"], prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2
-    ).choices[0].logprobs
+    logprobs = (
+        client.completions.create(
+            model=served_model["id"], prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2
+        )
+        .choices[0]
+        .logprobs
+    )
     tokens = [tokenizer.decode([i]) for i in reference.token_ids]
     assert logprobs.tokens == tokens
     assert len(logprobs.token_logprobs) == len(tokens)
@@ -222,8 +242,10 @@ def test_completion_logprobs_follow_the_tokens(client, served_model, offline_llm
 
 def test_malformed_json_is_400_with_openai_error(serve_url):
     response = httpx.post(
-        f"{serve_url}/v1/chat/completions", content=b'{"model": "x", "messages": [',
-        headers={"content-type": "application/json"}, timeout=30,
+        f"{serve_url}/v1/chat/completions",
+        content=b'{"model": "x", "messages": [',
+        headers={"content-type": "application/json"},
+        timeout=30,
     )
     assert response.status_code == 400
     body = response.json()
@@ -275,8 +297,12 @@ def _wait_for_idle_engine(model_server, timeout_s: float = 30.0) -> dict:
 def test_disconnect_mid_stream_frees_blocks(serve_url, served_model, model_server):
     _wait_for_idle_engine(model_server)
     body = {
-        "model": served_model["id"], "messages": CHAT, "max_tokens": 10_000,
-        "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "model": served_model["id"],
+        "messages": CHAT,
+        "max_tokens": 10_000,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
     }
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{serve_url}/v1/chat/completions", json=body) as response:

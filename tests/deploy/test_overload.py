@@ -47,8 +47,12 @@ async def _wait_until(handle, predicate, timeout_s=60.0) -> dict:
 def test_full_queue_is_503_and_engine_recovers(overload_app):
     url, handle, model_name = overload_app
     body = {
-        "model": model_name, "prompt": "hello", "max_tokens": 3000, "temperature": 0.0,
-        "ignore_eos": True, "stream": True,
+        "model": model_name,
+        "prompt": "hello",
+        "max_tokens": 3000,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
     }
 
     async def first_event(http: httpx.AsyncClient) -> None:
@@ -75,11 +79,17 @@ def test_full_queue_is_503_and_engine_recovers(overload_app):
     error = refused.json()["error"]
     assert error["type"] == "overloaded_error" and "max_queued_requests" in error["message"]
     # Both cancelled streams are aborted: the pool is whole again and new requests run.
-    stats = asyncio.run(_wait_until(
-        handle, lambda s: s["num_running"] == s["num_waiting"] == 0
-        and s["num_free_blocks"] == s["num_total_blocks"],
-    ))
+    stats = asyncio.run(
+        _wait_until(
+            handle,
+            lambda s: (
+                s["num_running"] == s["num_waiting"] == 0
+                and s["num_free_blocks"] == s["num_total_blocks"]
+            ),
+        )
+    )
     assert stats["kv_usage"] == 0
-    ok = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 3},
-                    timeout=60)
+    ok = httpx.post(
+        f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=60
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

@@ -50,9 +50,22 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(tiny_model_di
     port = free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [MTPSERVE, "serve", "--model", tiny_model_dir, "--port", str(port), "--device",
-             "cpu", "--max-num-seqs", "4"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                MTPSERVE,
+                "serve",
+                "--model",
+                tiny_model_dir,
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--max-num-seqs",
+                "4",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         base_url = _wait_for_url(server, log_path, timeout_s=150)

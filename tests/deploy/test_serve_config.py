@@ -39,7 +39,11 @@ def deployed_cpu_config(tiny_model_dir, tmp_path_factory):
     with ray_head(num_cpus=1) as head:
         subprocess.run(
             [str(BIN_DIR / "serve"), "deploy", str(config_path), "--address", head.dashboard_url],
-            env=head.env, check=True, capture_output=True, text=True, timeout=120,
+            env=head.env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         deadline = time.monotonic() + 150
         while (status := _app_status(head.dashboard_url)) != "RUNNING":
@@ -83,8 +87,9 @@ def test_cpu_config_deploys_and_answers_greedy_like_offline(deployed_cpu_config,
     url, _, _ = deployed_cpu_config
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     [model] = client.models.list().data
-    response = client.completions.create(model=model.id, prompt=PROMPT, max_tokens=8,
-                                         temperature=0.0)
+    response = client.completions.create(
+        model=model.id, prompt=PROMPT, max_tokens=8, temperature=0.0
+    )
     [reference] = LLM(tiny_model_dir, device="cpu").generate(
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=8)
     )
@@ -111,8 +116,14 @@ def test_serve_autoscaling_adds_a_replica_under_load_and_removes_it(deployed_cpu
     errors: list[BaseException] = []
 
     def stream_until_stopped(index: int) -> None:
-        body = {"model": app["args"]["model"], "prompt": PROMPT, "max_tokens": 1000,
-                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": app["args"]["model"],
+            "prompt": PROMPT,
+            "max_tokens": 1000,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
                 assert response.status_code == 200, response.read()
@@ -140,6 +151,9 @@ def test_serve_autoscaling_adds_a_replica_under_load_and_removes_it(deployed_cpu
     assert downscale_s >= scaling["downscale_delay_s"] - 1
     print(f"upscaled in {upscale_s:.1f} s, downscaled {downscale_s:.1f} s after the load")
     # The surviving replica still answers.
-    ok = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": app["args"]["model"], "prompt": PROMPT, "max_tokens": 3})
+    ok = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": app["args"]["model"], "prompt": PROMPT, "max_tokens": 3},
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

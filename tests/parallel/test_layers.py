@@ -25,9 +25,19 @@ def ranks(ray_local):
 
     # The functions below run inside the actors: ship them by value, not by module name.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    spec = WorkerSpec(model="", tp_size=TP, ep_size=1, device="cpu", dtype="float32",
-                      num_kv_blocks=None, block_size_tokens=64, gpu_memory_utilization=0.0,
-                      cpu_threads=1, topk_src_rank=0, collective_timeout_s=60)
+    spec = WorkerSpec(
+        model="",
+        tp_size=TP,
+        ep_size=1,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=None,
+        block_size_tokens=64,
+        gpu_memory_utilization=0.0,
+        cpu_threads=1,
+        topk_src_rank=0,
+        collective_timeout_s=60,
+    )
     actor_cls = ray.remote(WorkerActor).options(num_cpus=0.25)
     actors = [actor_cls.remote(rank, spec) for rank in range(TP)]
     address = ray.get(actors[0].open_store.remote(), timeout=60)
@@ -115,8 +125,10 @@ def test_merged_column_parallel(ranks):
     outs = on_all_ranks(ranks, _merged, gate, up, x)
     for rank, local in enumerate(outs):
         # This rank's slice of gate, then its slice of up.
-        expected = torch.cat([(x @ gate.T)[:, rank * 3 : rank * 3 + 3],
-                              (x @ up.T)[:, rank * 5 : rank * 5 + 5]], dim=-1)
+        expected = torch.cat(
+            [(x @ gate.T)[:, rank * 3 : rank * 3 + 3], (x @ up.T)[:, rank * 5 : rank * 5 + 5]],
+            dim=-1,
+        )
         torch.testing.assert_close(local, expected, **TOL)
 
 

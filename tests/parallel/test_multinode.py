@@ -36,9 +36,17 @@ def test_tp2_ep2_one_rank_per_node(two_node_ray, tiny_model_dir, prompts, tp1_to
 
     ray = two_node_ray
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
-    llm = LLM(tiny_model_dir, tp_size=2, ep_size=2, num_draft_tokens=2, share_topk=True,
-              dtype="float32", actor_num_cpus=1, placement_strategy="STRICT_SPREAD",
-              step_timeout_s=STEP_TIMEOUT_S)
+    llm = LLM(
+        tiny_model_dir,
+        tp_size=2,
+        ep_size=2,
+        num_draft_tokens=2,
+        share_topk=True,
+        dtype="float32",
+        actor_num_cpus=1,
+        placement_strategy="STRICT_SPREAD",
+        step_timeout_s=STEP_TIMEOUT_S,
+    )
     try:
         workers = llm.engine.executor.workers
         node_ids = ray.get([w.node_id.remote() for w in workers], timeout=60)

@@ -21,8 +21,15 @@ class ReplicaStandIn:
 
         from cluster.llm import LLM
 
-        self.llm = LLM(model_dir, tp_size=2, ep_size=2, num_draft_tokens=2, dtype="float32",
-                       actor_num_cpus=0.5, step_timeout_s=STEP_TIMEOUT_S)
+        self.llm = LLM(
+            model_dir,
+            tp_size=2,
+            ep_size=2,
+            num_draft_tokens=2,
+            dtype="float32",
+            actor_num_cpus=0.5,
+            step_timeout_s=STEP_TIMEOUT_S,
+        )
         executor = self.llm.engine.executor
         workers = executor.workers
         pg = ray.util.get_current_placement_group()
@@ -61,8 +68,7 @@ def _all_dead(ray, actors, within_s: float) -> bool:
     return False
 
 
-def test_ranks_live_in_the_replicas_placement_group(ray_local, tiny_model_dir, prompts,
-                                                    tp1_tokens):
+def test_ranks_live_in_the_replicas_placement_group(ray_local, tiny_model_dir, prompts, tp1_tokens):
     ray = ray_local
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -70,13 +76,18 @@ def test_ranks_live_in_the_replicas_placement_group(ray_local, tiny_model_dir, p
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     pg = placement_group([{"CPU": 0.2}, {"CPU": 0.5}, {"CPU": 0.5}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=60)
-    replica = ray.remote(ReplicaStandIn).options(
-        num_cpus=0.2,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=0,
-            placement_group_capture_child_tasks=True,
-        ),
-    ).remote()
+    replica = (
+        ray.remote(ReplicaStandIn)
+        .options(
+            num_cpus=0.2,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg,
+                placement_group_bundle_index=0,
+                placement_group_capture_child_tasks=True,
+            ),
+        )
+        .remote()
+    )
     try:
         info = ray.get(replica.start.remote(tiny_model_dir), timeout=120)
         assert not info["own_pg_created"]

@@ -19,16 +19,24 @@ STEP_TIMEOUT_S = 20.0
 def _config(tiny_model_dir):
     from cluster.config import EngineConfig
 
-    return EngineConfig(model=tiny_model_dir, tp_size=2, ep_size=2, num_draft_tokens=2,
-                        dtype="float32", actor_num_cpus=0.5, step_timeout_s=STEP_TIMEOUT_S)
+    return EngineConfig(
+        model=tiny_model_dir,
+        tp_size=2,
+        ep_size=2,
+        num_draft_tokens=2,
+        dtype="float32",
+        actor_num_cpus=0.5,
+        step_timeout_s=STEP_TIMEOUT_S,
+    )
 
 
 def _hang_forever(actor) -> None:
     actor.worker.execute = lambda step: time.sleep(3600)
 
 
-def test_killed_rank_fails_requests_then_restart_serves(ray_local, tiny_model_dir, prompts,
-                                                        tp1_tokens):
+def test_killed_rank_fails_requests_then_restart_serves(
+    ray_local, tiny_model_dir, prompts, tp1_tokens
+):
     from cluster.async_engine import AsyncEngine, EngineDeadError
     from cluster.executor import WorkerError
     from cluster.sampling_params import SamplingParams
@@ -49,7 +57,7 @@ def test_killed_rank_fails_requests_then_restart_serves(ray_local, tiny_model_di
         return time.monotonic() - killed_at
 
     async def generate(prompt) -> list[int]:
-        async for out in engine.generate(prompt, greedy_params()):
+        async for out in engine.generate(prompt, greedy_params()):  # noqa: B007
             pass
         return out.token_ids
 

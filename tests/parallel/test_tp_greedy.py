@@ -28,15 +28,24 @@ def _indexer_cache_abs_sum(actor) -> float:
 
 
 @pytest.mark.parametrize("tp, ep, k, share_topk, topk_broadcast", LAYOUTS)
-def test_tp_greedy_matches_tp1(ray_local, tiny_model_dir, prompts, tp1_tokens, tp, ep, k,
-                               share_topk, topk_broadcast):
+def test_tp_greedy_matches_tp1(
+    ray_local, tiny_model_dir, prompts, tp1_tokens, tp, ep, k, share_topk, topk_broadcast
+):
     from cluster.llm import LLM
 
     ray = ray_local
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    llm = LLM(tiny_model_dir, tp_size=tp, ep_size=ep, num_draft_tokens=k, share_topk=share_topk,
-              topk_broadcast=topk_broadcast, dtype="float32", actor_num_cpus=0.5,
-              step_timeout_s=STEP_TIMEOUT_S)
+    llm = LLM(
+        tiny_model_dir,
+        tp_size=tp,
+        ep_size=ep,
+        num_draft_tokens=k,
+        share_topk=share_topk,
+        topk_broadcast=topk_broadcast,
+        dtype="float32",
+        actor_num_cpus=0.5,
+        step_timeout_s=STEP_TIMEOUT_S,
+    )
     try:
         outs = llm.generate(prompts, greedy_params())
         assert [o.token_ids for o in outs] == tp1_tokens
@@ -59,8 +68,13 @@ def test_auto_executor_picks_ray_for_tp2(ray_local, tiny_model_dir, prompts, tp1
     from cluster.llm import LLM
     from cluster.ray_executor import RayExecutor
 
-    llm = LLM(tiny_model_dir, tp_size=2, dtype="float32", actor_num_cpus=0.5,
-              step_timeout_s=STEP_TIMEOUT_S)
+    llm = LLM(
+        tiny_model_dir,
+        tp_size=2,
+        dtype="float32",
+        actor_num_cpus=0.5,
+        step_timeout_s=STEP_TIMEOUT_S,
+    )
     try:
         assert isinstance(llm.engine.executor, RayExecutor)
         outs = llm.generate(prompts[:2], greedy_params())

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 def _sabotage_sampler(actor) -> None:
     import workers.model_runner as runner_module
 
-    runner_module.verify_and_sample = lambda logits, drafts, spec, generator: ([7], 0)
+    runner_module.verify_and_sample = lambda logits, drafts, spec, generator, argmax=None: ([7], 0)
 
 
 def _seeded(i: int):

@@ -28,8 +28,12 @@ def _tokens(model_dir, prompts, **kw):
 
 
 def test_gpu_fp32_matches_cpu_reference(tiny_model_dir, prompts):
-    reference = [o.token_ids for o in LLM(tiny_model_dir, device="cpu", dtype="float32").generate(
-        prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))]
+    reference = [
+        o.token_ids
+        for o in LLM(tiny_model_dir, device="cpu", dtype="float32").generate(
+            prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        )
+    ]
     eager, _ = _tokens(tiny_model_dir, prompts, dtype="float32", enforce_eager=True)
     graphs, llm = _tokens(tiny_model_dir, prompts, dtype="float32")
     assert eager == reference
@@ -42,8 +46,9 @@ def test_gpu_fp32_matches_cpu_reference(tiny_model_dir, prompts):
 def test_gpu_bf16_mtp_with_graphs_is_identical(tiny_model_dir, prompts, k, share_topk):
     eager, _ = _tokens(tiny_model_dir, prompts, dtype="bfloat16", enforce_eager=True)
     graphs, _ = _tokens(tiny_model_dir, prompts, dtype="bfloat16")
-    mtp, _ = _tokens(tiny_model_dir, prompts, dtype="bfloat16", num_draft_tokens=k,
-                     share_topk=share_topk)
+    mtp, _ = _tokens(
+        tiny_model_dir, prompts, dtype="bfloat16", num_draft_tokens=k, share_topk=share_topk
+    )
     assert graphs == eager
     assert mtp == eager
 
@@ -57,13 +62,21 @@ def test_gpu_graphed_proposals_match_eager_on_the_trained_model():
     from cluster.llm import LLM as _LLM
 
     llm = _LLM(model, device="cuda", dtype="float32", enforce_eager=True)
-    prompts = [llm.tokenizer.encode("import os\nimport sys\n\ndef main(argv):\n    ")[:64],
-               llm.tokenizer.encode("class Parser:\n    def __init__(self, text):\n")[:64]]
+    prompts = [
+        llm.tokenizer.encode("import os\nimport sys\n\ndef main(argv):\n    ")[:64],
+        llm.tokenizer.encode("class Parser:\n    def __init__(self, text):\n")[:64],
+    ]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     stats = {}
     for eager in (True, False):
-        llm = _LLM(model, device="cuda", dtype="float32", enforce_eager=eager,
-                   num_draft_tokens=3, num_kv_blocks=64)
+        llm = _LLM(
+            model,
+            device="cuda",
+            dtype="float32",
+            enforce_eager=eager,
+            num_draft_tokens=3,
+            num_kv_blocks=64,
+        )
         outs = llm.generate(prompts, params)
         stats[eager] = ([o.token_ids for o in outs], llm.stats().mean_tokens_per_round)
     assert stats[True][0] == stats[False][0]

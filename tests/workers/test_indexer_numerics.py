@@ -22,8 +22,10 @@ def test_fp8_indexer_selects_nearly_the_same_tokens(tiny_model_dir):
     exact, exact_logits, config = _selections(tiny_model_dir, "exact")
     fp8, fp8_logits, _ = _selections(tiny_model_dir, "fp8")
     k = config.index_topk
-    overlaps = [len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) / k
-                for a, b in zip(exact[k:], fp8[k:])]  # rows past index_topk really select
+    overlaps = [
+        len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) / k
+        for a, b in zip(exact[k:], fp8[k:])
+    ]  # rows past index_topk really select
     mean = sum(overlaps) / len(overlaps)
     # Measured 0.93 mean overlap on this checkpoint (seed 0): FP8 flips near-ties, not the
     # selection as a whole; and it does flip some (the mode is really on).

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.workers.test_model_parity import ATOL, run_mixed_batch_parity
-from workers.loader import CheckpointError, FP8_BLOCK, dequantize_fp8, load_model
+from workers.loader import FP8_BLOCK, CheckpointError, dequantize_fp8, load_model
 from workers.tiny_model import _write_index
 
 
@@ -58,11 +58,15 @@ def test_fp8_checkpoint_dequantizes_exactly(tiny_model_dir, tmp_path):
         return out
 
     fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), quantize)
+
     # The oracle is transformers on the dequantized weights: our loader must reproduce exactly
     # those numbers (then the model parity bound applies unchanged).
     def dequantize(tensors):
-        return {k: dequantize_fp8(t, tensors[k + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn
-                else t for k, t in tensors.items() if not k.endswith("_scale_inv")}
+        return {
+            k: dequantize_fp8(t, tensors[k + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn else t
+            for k, t in tensors.items()
+            if not k.endswith("_scale_inv")
+        }
 
     deq_dir = _rewrite(fp8_dir, str(tmp_path / "deq"), dequantize)
     fp8_model, _ = load_model(fp8_dir, dtype=torch.float32)
@@ -115,14 +119,33 @@ def test_missing_mtp_layer_turns_mtp_off_with_warning(tiny_model_dir, tmp_path, 
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.self_attn.q_b_proj.weight"},
-         "model.layers.1.self_attn.q_b_proj.weight"),
-        (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"},
-         "3.up_proj"),
-        (lambda t: {k: (v[:-1] if k == "model.layers.0.self_attn.kv_b_proj.weight" else v)
-                    for k, v in t.items()}, "model.layers.0.self_attn.kv_b_proj.weight"),
-        (lambda t: {**t, "model.layers.0.self_attn.surprise.weight": torch.zeros(2)}
-         if "model.embed_tokens.weight" in t else t, "model.layers.0.self_attn.surprise.weight"),
+        (
+            lambda t: {
+                k: v for k, v in t.items() if k != "model.layers.1.self_attn.q_b_proj.weight"
+            },
+            "model.layers.1.self_attn.q_b_proj.weight",
+        ),
+        (
+            lambda t: {
+                k: v for k, v in t.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"
+            },
+            "3.up_proj",
+        ),
+        (
+            lambda t: {
+                k: (v[:-1] if k == "model.layers.0.self_attn.kv_b_proj.weight" else v)
+                for k, v in t.items()
+            },
+            "model.layers.0.self_attn.kv_b_proj.weight",
+        ),
+        (
+            lambda t: (
+                {**t, "model.layers.0.self_attn.surprise.weight": torch.zeros(2)}
+                if "model.embed_tokens.weight" in t
+                else t
+            ),
+            "model.layers.0.self_attn.surprise.weight",
+        ),
     ],
     ids=["missing", "missing-expert", "wrong-shape", "unexpected"],
 )

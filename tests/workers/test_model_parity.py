@@ -24,7 +24,10 @@ def _oracle(model_dir: str):
 
 @torch.no_grad()
 def run_mixed_batch_parity(
-    model_dir: str, prompt_lens=(40, 7, 23, 18), decode_steps: int = 8, oracle_dir: str | None = None
+    model_dir: str,
+    prompt_lens=(40, 7, 23, 18),
+    decode_steps: int = 8,
+    oracle_dir: str | None = None,
 ) -> float:
     """Prefill several prompts in one flattened batch, then decode all of them together."""
     model, config = load_model(model_dir, dtype=torch.float32)
@@ -41,14 +44,16 @@ def run_mixed_batch_parity(
         offset = 0
         for i, toks in new.items():
             full = torch.cat([seqs[i], toks]) if step else seqs[i]
-            expected = oracle(full[None]).logits[0, -len(toks):]
+            expected = oracle(full[None]).logits[0, -len(toks) :]
             got = logits[offset : offset + len(toks)]
             offset += len(toks)
             worst = max(worst, (got - expected).abs().max().item())
             if step:
                 seqs[i] = full
-        new = {i: logits[o - 1 : o].argmax(-1) for i, o in
-               zip(new, torch.tensor([len(t) for t in new.values()]).cumsum(0).tolist())}
+        new = {
+            i: logits[o - 1 : o].argmax(-1)
+            for i, o in zip(new, torch.tensor([len(t) for t in new.values()]).cumsum(0).tolist())
+        }
     assert max(len(s) for s in seqs) > config.index_topk  # selection really drops tokens
     return worst
 

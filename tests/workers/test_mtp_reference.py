@@ -40,12 +40,23 @@ def reference_mtp_logits(model_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     cfg.num_hidden_layers = n + 1
     cfg.mlp_layer_types = config.mlp_layer_types + ["sparse"]
     block = hf.DeepseekV32DecoderLayer(cfg, n).float().eval()
-    state = {k: v for k, v in w.items() if not k.startswith(("enorm", "hnorm", "eh_proj", "shared"))
-             and ".experts." not in k}
+    state = {
+        k: v
+        for k, v in w.items()
+        if not k.startswith(("enorm", "hnorm", "eh_proj", "shared")) and ".experts." not in k
+    }
     experts = range(config.n_routed_experts)
-    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
-        [w[f"mlp.experts.{e}.gate_proj.weight"], w[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
-    state["mlp.experts.down_proj"] = torch.stack([w[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+    state["mlp.experts.gate_up_proj"] = torch.stack(
+        [
+            torch.cat(
+                [w[f"mlp.experts.{e}.gate_proj.weight"], w[f"mlp.experts.{e}.up_proj.weight"]]
+            )
+            for e in experts
+        ]
+    )
+    state["mlp.experts.down_proj"] = torch.stack(
+        [w[f"mlp.experts.{e}.down_proj.weight"] for e in experts]
+    )
     block.load_state_dict(state, strict=True)
 
     def rms(x, weight):
@@ -77,7 +88,9 @@ def test_mtp_layer_matches_independent_reference(tiny_model_dir):
     logits = []
     for lo, hi in ((0, 20), (20, 36)):
         meta = mtp.metadata({0: hi - lo})
-        logits.append(model.mtp_logits(model.mtp_forward(tokens[lo + 1 : hi + 1], hidden[lo:hi], meta)))
+        logits.append(
+            model.mtp_logits(model.mtp_forward(tokens[lo + 1 : hi + 1], hidden[lo:hi], meta))
+        )
     got = torch.cat(logits)
     assert 36 > config.index_topk
     assert (got - expected).abs().max() < ATOL

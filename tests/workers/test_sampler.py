@@ -33,14 +33,19 @@ def _first_token_counts(logits, drafts, spec, seed=0):
 
 
 @pytest.mark.parametrize(
-    "spec", [SamplingSpec(temperature=1.0), SamplingSpec(temperature=0.7, top_k=4, top_p=0.9)],
+    "spec",
+    [SamplingSpec(temperature=1.0), SamplingSpec(temperature=0.7, top_k=4, top_p=0.9)],
     ids=["plain", "top-k-top-p"],
 )
 def test_rejection_sampling_preserves_target_distribution(spec):
     vocab = 6
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3],
-                           [0.1, 1.5, -0.5, 0.7, 0.0, 1.0],
-                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    logits = torch.tensor(
+        [
+            [2.0, 1.0, 0.5, 0.0, -1.0, 0.3],
+            [0.1, 1.5, -0.5, 0.7, 0.0, 1.0],
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        ]
+    )
     drafts = [1, 3]  # a likely-but-not-argmax first draft exercises both branches
     counts, second = _first_token_counts(logits, drafts, spec)
     p0 = processed_probs(logits[0:1], spec)[0]

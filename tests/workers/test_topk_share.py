@@ -31,8 +31,9 @@ def _run(model_dir, prompts, k, share, monkeypatch, max_tokens=8):
 
     monkeypatch.setattr(Indexer, "forward", counting)
     monkeypatch.setattr(ModelRunner, "_propose", recording)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                ignore_eos=True))
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    )
     monkeypatch.undo()
     return calls, drafts, [o.token_ids for o in outs]
 
