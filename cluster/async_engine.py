@@ -35,7 +35,7 @@ class AsyncEngine:
         self.config = config
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
-        self.model_name = config.model
+        self.model_name = config.model_name
         self.max_model_len = self.engine.max_model_len
         self._lock = threading.Lock()  # guards self.engine between the loop and callers
         self._wakeup = threading.Event()

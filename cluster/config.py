@@ -9,6 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # checkpoint directory
+    served_model_name: str | None = None  # the API's model id; None: derived from `model`
     tp_size: int = 1
     ep_size: int = 1  # expert-parallel size within the TP group (divides tp_size)
     num_draft_tokens: int = 0  # k; 0 turns MTP speculation off
@@ -54,6 +55,21 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine options: {sorted(unknown)}")
         return cls(**d)
+
+    @property
+    def model_name(self) -> str:
+        """The model id clients use: served_model_name, else the checkpoint directory's name
+        ("mtpserve-default" for the shipped default model)."""
+        import os
+
+        from workers.default_model import SHIPPED_DIR
+
+        if self.served_model_name:
+            return self.served_model_name
+        path = os.path.realpath(self.model)
+        if path == os.path.realpath(SHIPPED_DIR):
+            return "mtpserve-default"
+        return os.path.basename(path.rstrip(os.sep)) or path
 
     @property
     def cuda_graph_max_batch(self) -> int:

@@ -28,6 +28,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="draft steps 1..k-1 reuse draft step 0's top-k indices",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--indexer-numerics",
+        default="exact",
+        choices=["exact", "fp8"],
+        help="exact indexer scores (transformers') or FP8 after a Hadamard rotation (DeepSeek's)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--address", default="local", help='Ray address; "local" starts a fresh local Ray (default)'
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="model id of the API (default: from --model)"
     )
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--max-model-len", type=int, default=None)
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             num_draft_tokens=args.num_draft_tokens,
             share_topk=args.share_topk,
             device=args.device,
+            indexer_numerics=args.indexer_numerics,
         )
         if args.json:
             print(json.dumps(result))
@@ -101,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.app import AppArgs
         from deploy.local_server import serve_until_interrupted
 
-        engine = {}
+        engine = {"indexer_numerics": args.indexer_numerics}
+        if args.served_model_name is not None:
+            engine["served_model_name"] = args.served_model_name
         if args.max_num_seqs is not None:
             engine["max_num_seqs"] = args.max_num_seqs
         if args.max_model_len is not None:
