@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-MAX_SHARD_BYTES = 15 * 2**20  # the device tool brings back files of at most 16 MiB
+MAX_SHARD_BYTES = 15 * 2**20  # shards under 16 MiB: small files to copy, diff and commit
 FP32_SUFFIXES = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
 
 
