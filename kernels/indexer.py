@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
-from kernels.paged import gather_positions
+from kernels.paged import gather_token_rows, token_chunks
 
 
 def indexer_topk_reference(
@@ -29,21 +29,22 @@ def indexer_topk_reference(
     Returns int32 [T, topk]: the positions of the min(topk, positions[t] + 1) best keys, highest
     score first, then -1. The current token is not forced in.
     """
-    num_tokens = q.shape[0]
+    num_tokens, _, head_dim = q.shape
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
-    for seq in seq_idx.unique().tolist():
-        rows = (seq_idx == seq).nonzero().squeeze(1)
+    if num_tokens == 0:
+        return out
+    num_keys = int(positions.max()) + 1  # keys 0..S-1 of every token's sequence
+    keys_range = torch.arange(num_keys, device=q.device)
+    k = min(topk, num_keys)
+    for rows in token_chunks(num_tokens, num_keys * head_dim):
         pos = positions[rows]
-        num_keys = int(pos.max()) + 1
-        keys = gather_positions(k_cache, block_tables[seq], num_keys).float()  # [S, D]
-        scores = torch.einsum("thd,sd->ths", q[rows].float(), keys) * softmax_scale
+        span = keys_range.expand(pos.shape[0], num_keys)
+        keys = gather_token_rows(k_cache, block_tables, seq_idx[rows], span).float()  # [t, S, D]
+        scores = torch.einsum("thd,tsd->ths", q[rows].float(), keys) * softmax_scale
         logits = torch.einsum("th,ths->ts", weights[rows].float(), scores.relu())  # [t, S]
-        causal = torch.arange(num_keys, device=q.device)[None, :] <= pos[:, None]
-        logits = logits.masked_fill(~causal, float("-inf"))
-        k = min(topk, num_keys)
+        logits = logits.masked_fill(keys_range[None, :] > pos[:, None], float("-inf"))
         idx = logits.topk(k, dim=-1).indices.to(torch.int32)
-        idx = idx.masked_fill(torch.arange(k, device=q.device)[None, :] > pos[:, None], -1)
-        out[rows, :k] = idx
+        out[rows, :k] = idx.masked_fill(keys_range[None, :k] > pos[:, None], -1)
     return out
 
 

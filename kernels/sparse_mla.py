@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
-from kernels.paged import gather_positions
+from kernels.paged import gather_token_rows, token_chunks
 
 
 def sparse_mla_attention_reference(
@@ -25,14 +25,12 @@ def sparse_mla_attention_reference(
     [num_blocks, block_size, kv_lora_rank + rope_dim], topk_indices [T, K] positions within the
     token's sequence, -1 = unused. Returns the latent output [T, H, kv_lora_rank] in q's dtype.
     """
-    num_tokens, num_heads, _ = q.shape
+    num_tokens, num_heads, width = q.shape
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    for seq in seq_idx.unique().tolist():
-        rows = (seq_idx == seq).nonzero().squeeze(1)
+    for rows in token_chunks(num_tokens, topk_indices.shape[1] * width):
         idx = topk_indices[rows].long()  # [t, K]
-        num_keys = int(idx.max()) + 1
-        keys = gather_positions(kv_cache, block_tables[seq], num_keys).float()  # [S, W]
-        picked = keys[idx.clamp(min=0)]  # [t, K, W]
+        picked = gather_token_rows(kv_cache, block_tables, seq_idx[rows], idx.clamp(min=0))
+        picked = picked.float()  # [t, K, W]
         scores = torch.einsum("thw,tkw->thk", q[rows].float(), picked) * softmax_scale
         scores = scores.masked_fill((idx < 0)[:, None, :], float("-inf"))
         probs = scores.softmax(-1)
