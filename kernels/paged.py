@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-
 # Elements a twin materializes per chunk of tokens (64 MiB of fp32): bounds the memory of long
 # prefills while a decode batch runs as one chunk.
 GATHER_BUDGET_ELEMENTS = 2**24
