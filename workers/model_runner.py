@@ -232,11 +232,19 @@ class ModelRunner:
                 last_row[i] = len(pair_rows) - 1
             else:
                 end = s.start_position + len(s.token_ids) - 1
-                state.pending_hidden, state.pending_position = (
-                    hidden[base + len(s.token_ids) - 1],
-                    end,
-                )
+                # A copy of the one row: a view would keep the whole chunk's hidden states alive.
+                state.pending_hidden = hidden[base + len(s.token_ids) - 1].clone()
+                state.pending_position = end
+        if not pair_rows:
+            return
         if not last_row:
+            # Only non-final prefill chunks: nothing to draft yet, but the MTP layer's cache
+            # must hold these positions before any later draft attends to them.
+            self.model.mtp_forward(
+                torch.tensor(pair_tokens, device=self.device),
+                torch.cat(pair_hidden),
+                self._metadata(pair_rows, tables_cpu, tables),
+            )
             return
         seq_ids = list(last_row)
         last_idx = torch.tensor(list(last_row.values()), device=self.device)

@@ -134,3 +134,41 @@ def test_accepted_drafts_keep_output_identical(tiny_model_dir, prompts, referenc
     assert len(acc) == k and all(a >= b for a, b in zip(acc, acc[1:]))
     assert abs(acc[0] - 0.8) < 0.1
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_chunked_prefill_gives_the_mtp_layer_every_position():
+    """A prompt prefilled in chunks hands the MTP layer the hidden state of each chunk's last
+    token at the next chunk. The MTP layer's cache after a chunked prefill must hold what a
+    single-chunk prefill writes, at every position (greedy identity alone could not see a lost
+    position: drafts only change speed)."""
+    from workers.default_model import default_model_path
+
+    model = default_model_path()
+    text = (
+        "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
+    )
+    prompt = LLM(model, dtype="float32").tokenizer.encode(text * 4)[:100]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    caches, tokens = {}, {}
+    assert len(prompt) > 64  # at least three chunks of 32
+    for budget in (2048, 32):  # one chunk vs chunks of 32 tokens
+        llm = LLM(
+            model,
+            dtype="float32",
+            num_draft_tokens=2,
+            max_num_batched_tokens=budget,
+            max_num_seqs=4,
+        )
+        tokens[budget] = llm.generate([prompt], params)[0].token_ids
+        worker_model = llm.engine.executor.worker.model
+        n = worker_model.config.num_hidden_layers
+        caches[budget] = worker_model.kv_caches[n][1:3].reshape(
+            -1, worker_model.kv_caches[n].shape[-1]
+        )
+    assert tokens[32] == tokens[2048]
+    # Blocks 1-2 (the first two allocated) hold positions 0..127 in both runs; the MTP layer
+    # has written every prompt position but the last (its pair needs the sampled token).
+    num = len(prompt) - 1
+    written = caches[2048][:num]
+    assert written.abs().amax(-1).min() > 0
+    torch.testing.assert_close(caches[32][:num], written, atol=1e-4, rtol=1e-4)
