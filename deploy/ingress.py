@@ -105,6 +105,17 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
+def _failure_event(failure: GenerateFailure) -> str:
+    """A failure after the stream started: an OpenAI error body as the last SSE event."""
+    body = ErrorBody(
+        message=failure.message,
+        type=failure.error_type,
+        param=failure.param,
+        code=failure.error_type,
+    )
+    return _sse(ErrorResponse(error=body).model_dump_json())
+
+
 def _failure_from_handle_error(exc: BaseException) -> GenerateFailure:
     """A call that failed in Serve itself (replica died, cancelled): not the client's fault."""
     return GenerateFailure(503, "service_unavailable", f"model server failed: {exc}")
@@ -363,16 +374,7 @@ class OpenAIIngress:
                     )
             async for index, item in merged:
                 if isinstance(item, GenerateFailure):
-                    yield _sse(
-                        ErrorResponse(
-                            error=ErrorBody(
-                                message=item.message,
-                                type=item.error_type,
-                                param=item.param,
-                                code=item.error_type,
-                            )
-                        ).model_dump_json()
-                    )
+                    yield _failure_event(item)
                     break
                 results[index].update(item)
                 if not item.new_text and not item.finished:
@@ -435,16 +437,7 @@ class OpenAIIngress:
                 )
             async for index, item in merged:
                 if isinstance(item, GenerateFailure):
-                    yield _sse(
-                        ErrorResponse(
-                            error=ErrorBody(
-                                message=item.message,
-                                type=item.error_type,
-                                param=item.param,
-                                code=item.error_type,
-                            )
-                        ).model_dump_json()
-                    )
+                    yield _failure_event(item)
                     break
                 results[index].update(item)
                 if not item.new_text and not item.finished:
