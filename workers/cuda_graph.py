@@ -51,18 +51,24 @@ class DecodeGraphs:
         hidden = self.model(buf["input_ids"], meta)
         return hidden, self.model.compute_logits(hidden)  # logits stay fp32
 
-    def capture(self, batch: int, tokens_per_seq: int) -> None:
-        buf = self._buffers(batch, tokens_per_seq)
+    def capture_graph(self, forward) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Warm `forward` up on a side stream (every Triton variant compiled outside the
+        capture), then capture it into a graph sharing this runner's memory pool."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: compile every Triton variant outside the capture
-                self._forward(buf)
+            for _ in range(2):
+                forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(buf)
+            out = forward()
         self.pool = graph.pool()
+        return graph, out
+
+    def capture(self, batch: int, tokens_per_seq: int) -> None:
+        buf = self._buffers(batch, tokens_per_seq)
+        graph, out = self.capture_graph(lambda: self._forward(buf))
         self.graphs[(batch, tokens_per_seq)] = (graph, buf, out)
 
     def run(
@@ -144,16 +150,7 @@ class ProposeGraphs:
 
     def _capture(self, batch: int, k: int, share: bool) -> None:
         buf = self._buffers(batch, k)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(buf, k, share)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.decode.pool):
-            out = self._forward(buf, k, share)
-        self.decode.pool = graph.pool()
+        graph, out = self.decode.capture_graph(lambda: self._forward(buf, k, share))
         self.graphs[(batch, k, share)] = (graph, buf, out)
 
     def run(
