@@ -45,12 +45,10 @@ class ModelRunner:
         max_model_len: int = 8192,
     ):
         self.model = model
-        self.config = model.config
         self.device = device
         self.block_size = block_size_tokens
-        self.num_blocks = num_blocks
         kv, idx = allocate_kv_caches(
-            self.config,
+            model.config,
             num_blocks,
             block_size_tokens,
             model.dtype,
@@ -102,12 +100,15 @@ class ModelRunner:
 
     def _state(self, seq: SeqWork) -> _SeqState:
         state = self.states.get(seq.request_id)
-        if state is None or seq.start_position == 0:
-            # New request, or a recompute after preemption: nothing carried over.
+        if state is None:
             state = _SeqState()
             if seq.sampling.seed is not None:
                 state.generator = torch.Generator(self.device).manual_seed(seq.sampling.seed)
             self.states[seq.request_id] = state
+        elif seq.start_position == 0:
+            # A recompute after preemption: the cache is rebuilt from scratch, but a seeded
+            # request's random stream goes on where it was (no draw is replayed).
+            state.pending_hidden = None
         return state
 
     # --- the step --------------------------------------------------------------------------------

@@ -31,3 +31,21 @@ def test_seeded_sampling_reproduces(tiny_model_dir, k):
         )
     ]
     assert first != greedy  # temperature 0.8 over a 512-token vocabulary really samples
+
+
+def test_seeded_sampling_survives_preemption(tiny_model_dir):
+    """A preempted request is recomputed, not re-seeded: its random stream goes on, so its
+    output is what it would have been without the preemption."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (40, 35, 50, 45, 30)]
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=11, ignore_eos=True)
+    roomy = LLM(tiny_model_dir, dtype="float32")
+    tight = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=4, max_model_len=128)
+    preempted = []
+    original = tight.engine.scheduler._preempt
+    tight.engine.scheduler._preempt = lambda r, o: (preempted.append(r.request_id), original(r, o))
+    expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    assert [o.token_ids for o in tight.generate(prompts, params)] == expected
+    assert preempted
