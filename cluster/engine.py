@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from cluster.block_manager import BlockManager
 from cluster.config import EngineConfig
 from cluster.executor import WorkerError, make_executor
-from cluster.outputs import RequestOutput, SpecDecodeStats, StepResult, make_request_output
+from cluster.outputs import RequestOutput, SpecDecodeStats, make_request_output
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -138,16 +138,7 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         output = self.executor.execute(self._step_input(scheduled))  # raises WorkerError
-        results = {
-            r.request_id: StepResult(
-                r.request_id,
-                r.sampled_token_ids,
-                r.num_accepted_drafts,
-                r.next_draft_token_ids,
-                r.logprobs,
-            )
-            for r in output.results
-        }
+        results = {r.request_id: r for r in output.results}
         changed = self.scheduler.update(scheduled, results)
         outputs = []
         for request in changed:

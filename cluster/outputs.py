@@ -7,26 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from workers.batch import SeqResult
+
 if TYPE_CHECKING:
     from cluster.request import Request
 
 
-@dataclass
-class StepResult:
-    """Rank 0's answer for one scheduled request after one step.
-
-    Invariants: when the step `samples`, `sampled_token_ids` holds the accepted drafts followed
-    by the target's own token, so `len(sampled_token_ids) == num_accepted_drafts + 1`; for a
-    non-final prefill chunk it is `[]` and `num_accepted_drafts == 0`. `next_draft_token_ids`
-    holds the MTP layer's proposal for the next round (`[]` when MTP is off). `logprobs`, when
-    requested, has one entry per sampled token.
-    """
-
-    request_id: str
-    sampled_token_ids: list[int] = field(default_factory=list)
-    num_accepted_drafts: int = 0
-    next_draft_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] | None = None
+# What a step returns per request is the worker's own result type (the scheduler consumes it as
+# it crosses the actor boundary, with no copy into a type of ours).
+StepResult = SeqResult
 
 
 @dataclass

@@ -47,11 +47,20 @@ class StepInput:
 
 @dataclass
 class SeqResult:
+    """Rank 0's answer for one scheduled request after one step.
+
+    Invariants: when the step `samples`, `sampled_token_ids` holds the accepted drafts followed
+    by the target's own token, so `len(sampled_token_ids) == num_accepted_drafts + 1`; for a
+    non-final prefill chunk it is `[]` and `num_accepted_drafts == 0`. `next_draft_token_ids`
+    holds the MTP layer's proposal for the next round (`[]` when MTP is off). `logprobs`, when
+    requested, has one entry per sampled token:
+    {"token_id", "logprob", "top": [(token_id, logprob), ...]}.
+    """
+
     request_id: str
-    sampled_token_ids: list[int]  # accepted drafts + the target's own token; [] if not sampling
+    sampled_token_ids: list[int] = field(default_factory=list)
     num_accepted_drafts: int = 0
     next_draft_token_ids: list[int] = field(default_factory=list)
-    # Per sampled token: {"token_id", "logprob", "top": [(token_id, logprob), ...]}
     logprobs: list[dict] | None = None
 
 
