@@ -43,5 +43,11 @@ def test_engine_option_reaches_the_model(tiny_model_dir):
     model = llm.engine.executor.worker.model
     assert all(layer.self_attn.indexer.fp8 for layer in model.model.layers)
     assert model.mtp.self_attn.indexer.fp8
-    out = llm.generate([list(range(3, 60))], SamplingParams(max_tokens=8, temperature=0))
-    assert len(out[0].token_ids) == 8
+    # Within index_topk tokens both numerics select everything: the same greedy tokens.
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompt = list(range(3, 9))
+    exact = LLM(tiny_model_dir, dtype="float32", num_draft_tokens=2)
+    assert len(prompt) + 8 <= model.config.index_topk
+    assert (
+        llm.generate([prompt], params)[0].token_ids == exact.generate([prompt], params)[0].token_ids
+    )
