@@ -241,6 +241,39 @@ def transformers_step_ms(model, config, prompt_len: int = 1024, new_tokens: int 
     return (timings[new_tokens] - timings[1]) * 1e3 / (new_tokens - 1)
 
 
+def profile_step(bench: DecodeBench, batch: int = 1, context: int = 1024) -> None:
+    """The GPU kernels of one eager decode step, by total time, against the graph replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.attention_metadata import AttentionMetadata
+
+    ids, positions, slots, tables = bench.inputs(batch, context, 1)
+    seq = torch.arange(batch, device=CUDA)
+    model = bench.model
+
+    @torch.no_grad()
+    def step():
+        model.compute_logits(model(ids, AttentionMetadata(positions, slots, seq, tables)))
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / 5
+    launches = sum(e.count for e in events) / 5
+    print(f"kernels per step {launches:.0f}, kernel time per step {total / 1e3:.3f} ms")
+    print(f"{'us/step':>9} {'count':>6}  kernel")
+    for e in events[:45]:
+        print(f"{e.device_time_total / 5:9.1f} {e.count / 5:6.0f}  {e.key[:110]}")
+    graphs = bench.graphs(True, batch)
+    print(f"graph replay {bench.graph_ms(graphs, batch, context, 1):.3f} ms/step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -248,6 +281,9 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument(
+        "--profile", action="store_true", help="print the kernels of one b=1, 1k step and exit"
+    )
     args = ap.parse_args()
     lines = []
 
@@ -272,6 +308,9 @@ def main() -> None:
         f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params"
     )
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
+    if args.profile:
+        profile_step(bench)
+        return
     emit("\n| prefill chunk | after context | ms | prefill tok/s |")
     emit("|---|---|---|---|")
     for context in (0, 8192, 30720):

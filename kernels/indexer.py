@@ -50,20 +50,21 @@ def indexer_topk_reference(
 
 # --- Triton ---------------------------------------------------------------------------------------
 #
-# A Triton logits kernel, then torch's sort (or topk) over the logits row. The logits buffer
-# spans every position the block table can address (no host sync, so it is CUDA-graph
-# capturable); keys past a token's position get -inf and their picks are replaced by -1, which
-# reproduces the twin's k = min(topk, positions + 1). A Triton top-k (radix select of 2048 out
-# of up to 128k logits) is not written yet; the selection costs 3-10x the logits kernel
-# (BENCHMARKS.md).
+# Two kernels. The logits kernel scores every key up to each token's position over the paged
+# cache; its buffer spans every position the block table can address (no host sync, so CUDA-graph
+# capturable), but programs whose keys all lie past the token's position exit at once, so a decode
+# step costs what its context costs, not what the table could hold. The selection kernel is a
+# radix select, one program per token, over that token's own positions 0..p: four passes of an
+# 8-bit histogram over the logits' order-preserving integer keys find the k-th largest key, and a
+# last pass writes the positions above it (and the first ones equal to it) in position order.
+# With p + 1 <= topk it writes 0..p without reading a logit. The twin returns the same set best
+# first; consumers treat a row as a set.
 
 # Keys per program. 32 keys x 128 dims of bf16 is 8 KiB a program: enough programs at batch 1
 # and 8k context (256) to cover the H200's 132 SMs twice.
 _INDEXER_BLOCK_S = 32
-# Up to this many positions a full descending sort beats torch.topk(2048) on the H200
-# (logits + select, CUDA graph, commit 754cbe5): 23 vs 38 us at batch 1 x 1k positions,
-# 51 vs 74 us at batch 1 x 8k, 80 vs 82 at batch 8 x 8k, 128 vs 126 at batch 32 x 8k.
-_SORT_MAX_POSITIONS = 16384
+# Logits per iteration of the selection kernel's passes.
+_SELECT_BLOCK = 2048
 
 
 @triton.jit
@@ -91,13 +92,16 @@ def _indexer_logits_kernel(
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
-    keys = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] positions
+    first_key = tl.program_id(1) * BLOCK_S
+    keys = first_key + tl.arange(0, BLOCK_S)  # [BLOCK_S] positions
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    seq = tl.load(seq_idx_ptr + token).to(tl.int64)
     position = tl.load(positions_ptr + token)
+    if first_key > position:  # every key here is in the token's future: nothing to score
+        return
+    seq = tl.load(seq_idx_ptr + token).to(tl.int64)
     causal = keys <= position
     # [BLOCK_S] flat cache rows through the block table
     blocks = tl.load(
@@ -142,7 +146,8 @@ def indexer_logits_triton(
     positions: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """fp32 logits [T, padded positions] of every addressable key; -inf past a token's position."""
+    """fp32 logits [T, padded positions]: row t holds the logits of keys 0..positions[t], then -inf
+    to the end of that key block; entries past it are never written (callers read 0..p only)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=device)
@@ -192,6 +197,101 @@ def indexer_logits_triton(
     return logits
 
 
+@triton.jit
+def _ordered_key(x):
+    """fp32 -> int32 whose unsigned order is x's order (sign bit set for x >= 0, else all bits
+    flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, ~bits, bits ^ -2147483648)
+
+
+@triton.jit
+def _topk_select_kernel(
+    logits_ptr,
+    positions_ptr,
+    out_ptr,
+    logits_row_stride,
+    out_row_stride,
+    topk,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    token = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    n = tl.load(positions_ptr + token).to(tl.int32) + 1  # keys 0..n-1 are candidates
+    row = logits_ptr + token.to(tl.int64) * logits_row_stride
+    out_row = out_ptr + token.to(tl.int64) * out_row_stride
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if n <= topk:
+        for j0 in range(0, topk, BLOCK):
+            j = j0 + offs
+            tl.store(out_row + j, tl.where(j < n, j, -1), mask=j < topk)
+    else:
+        # Radix select of the topk-th largest key, 8 bits a pass from the top. `prefix` holds the
+        # bits fixed so far (as unsigned bits in an int32); `remaining` how many of the keys that
+        # share them are still to be taken.
+        bins = tl.arange(0, 256)
+        prefix = n * 0
+        remaining = n * 0 + topk
+        for p in tl.static_range(4):
+            counts = tl.zeros([256], dtype=tl.int32)
+            for s0 in range(0, n, BLOCK):
+                idx = s0 + offs
+                valid = idx < n
+                key = _ordered_key(tl.load(row + idx, mask=valid, other=0.0))
+                if p > 0:  # arithmetic shifts on both sides: equal high bits <=> equal shifts
+                    valid = valid & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+                counts += tl.histogram((key >> (24 - 8 * p)) & 255, 256, mask=valid)
+            at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # keys with digit >= d
+            digit = tl.max(tl.where(at_or_above >= remaining, bins, -1), 0)
+            remaining -= tl.sum(tl.where(bins > digit, counts, 0))
+            prefix = prefix | (digit << (24 - 8 * p))
+        # Take every key above the threshold and the first `remaining` equal to it.
+        threshold = prefix ^ -2147483648  # back to signed order for the comparisons
+        written = n * 0
+        ties = n * 0
+        for s0 in range(0, n, BLOCK):
+            idx = s0 + offs
+            valid = idx < n
+            key = _ordered_key(tl.load(row + idx, mask=valid, other=0.0)) ^ -2147483648
+            equal = valid & (key == threshold)
+            tie_rank = ties + tl.cumsum(equal.to(tl.int32), 0) - 1
+            take = (valid & (key > threshold)) | (equal & (tie_rank < remaining))
+            slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(out_row + slot, idx, mask=take)
+            written += tl.sum(take.to(tl.int32))
+            ties += tl.sum(equal.to(tl.int32))
+
+
+def topk_select_triton(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """int32 [T, topk]: the positions of the min(topk, p + 1) largest of logits[t, 0..p]
+    (p = positions[t]; ties go to the earlier position) in position order, then -1."""
+    check_tensor("logits", logits, ndim=2, dtypes=(torch.float32,))
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=logits.device)
+    num_tokens = logits.shape[0]
+    if positions.shape[0] != num_tokens:
+        raise ValueError(f"{positions.shape[0]} positions for {num_tokens} logits rows")
+    out = torch.empty(num_tokens, topk, dtype=torch.int32, device=logits.device)
+    if num_tokens > 0:
+        launch(
+            _topk_select_kernel,
+            (num_tokens,),
+            logits,
+            logits,
+            positions,
+            out,
+            logits.stride(0),
+            out.stride(0),
+            topk,
+            BLOCK=_SELECT_BLOCK,
+            num_warps=8,
+        )
+    return out
+
+
 def indexer_topk_triton(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -202,18 +302,8 @@ def indexer_topk_triton(
     topk: int,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Triton-logits twin of `indexer_topk_reference` (selection by torch.sort / torch.topk)."""
+    """Triton twin of `indexer_topk_reference`: the same set per row, in position order."""
     logits = indexer_logits_triton(
         q, weights, k_cache, block_tables, seq_idx, positions, softmax_scale
     )
-    num_tokens, num_positions = logits.shape
-    k = min(topk, num_positions)
-    if num_positions <= _SORT_MAX_POSITIONS:
-        idx = logits.sort(dim=-1, descending=True).indices[:, :k].to(torch.int32)
-    else:
-        idx = logits.topk(k, dim=-1).indices.to(torch.int32)  # [T, k], best first
-    rank = torch.arange(k, device=q.device)
-    idx = idx.masked_fill(rank[None, :] > positions[:, None], -1)
-    if k < topk:
-        idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
-    return idx
+    return topk_select_triton(logits, positions, topk)

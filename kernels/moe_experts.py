@@ -60,6 +60,17 @@ class GroupedLayout:
     block_m: int
 
 
+def _layout_rows(num_pairs: int, num_local_experts: int, block_m: int) -> int:
+    """An upper bound on the padded rows that needs no host sync."""
+    return triton.cdiv(num_pairs + min(num_local_experts, num_pairs) * (block_m - 1), block_m) * (
+        block_m
+    )
+
+
+# Pairs up to which the layout is one Triton program (batch 32 x top-8).
+LAYOUT_MAX_PAIRS = 256
+
+
 def grouped_layout(
     topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
 ) -> GroupedLayout:
@@ -76,11 +87,7 @@ def grouped_layout(
     order = torch.argsort(local, stable=True)  # [num_pairs] pair indices by expert
     sorted_local = local[order]
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_local]
-    # An upper bound on the padded rows that needs no host sync.
-    num_rows = (
-        triton.cdiv(num_pairs + min(num_local_experts, num_pairs) * (block_m - 1), block_m)
-        * block_m
-    )
+    num_rows = _layout_rows(num_pairs, num_local_experts, block_m)
     held = sorted_local < num_local_experts
     start = padded_start[sorted_local.clamp(max=num_local_experts - 1)]
     dest = torch.where(held, start + rank, num_rows)
@@ -90,6 +97,102 @@ def grouped_layout(
     block_expert = torch.searchsorted(padded_end[:num_local_experts], block_starts, right=True)
     block_expert = torch.where(block_expert < num_local_experts, block_expert, -1)
     return GroupedLayout(sorted_pairs[:num_rows], block_expert.to(torch.int32), block_m)
+
+
+@triton.jit
+def _grouped_layout_kernel(
+    ids_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_local_experts,
+    first_expert,
+    num_rows,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+    CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """`grouped_layout` in one program (decode sizes): every pair's rank among the earlier pairs
+    of its expert, and each expert's padded start, by chunked comparisons in registers."""
+    pairs = tl.arange(0, BLOCK_P)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32) - first_expert
+    held = (pairs < num_pairs) & (local >= 0) & (local < num_local_experts)
+    local = tl.where(held, local, -1)  # -1 matches no expert
+    rank = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for q0 in tl.static_range(0, BLOCK_P, CHUNK):
+        q = q0 + tl.arange(0, CHUNK)
+        other = tl.load(ids_ptr + q, mask=q < num_pairs, other=-1).to(tl.int32) - first_expert
+        other = tl.where((q < num_pairs) & (other >= 0) & (other < num_local_experts), other, -2)
+        earlier = (other[None, :] == local[:, None]) & (q[None, :] < pairs[:, None])
+        rank += tl.sum(earlier.to(tl.int32), 1)
+    start = tl.zeros([BLOCK_P], dtype=tl.int32)  # padded start of each pair's expert
+    block_first_row = tl.arange(0, BLOCK_NB) * BLOCK_M
+    block_expert = tl.zeros([BLOCK_NB], dtype=tl.int32)  # expert + 1, 0 for none
+    base = num_pairs * 0
+    for e0 in range(0, num_local_experts, CHUNK):
+        experts = e0 + tl.arange(0, CHUNK)
+        mine = local[:, None] == experts[None, :]  # [BLOCK_P, CHUNK]
+        padded = (tl.sum(mine.to(tl.int32), 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = base + tl.cumsum(padded, 0)
+        starts = ends - padded
+        start += tl.sum(tl.where(mine, starts[None, :], 0), 1)
+        inside = (starts[None, :] <= block_first_row[:, None]) & (
+            block_first_row[:, None] < ends[None, :]
+        )
+        block_expert += tl.sum(tl.where(inside, experts[None, :] + 1, 0), 1)
+        base += tl.sum(padded)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    for r0 in range(0, num_rows, BLOCK_P):
+        r = r0 + tl.arange(0, BLOCK_P)
+        tl.store(sorted_pairs_ptr + r, -1, mask=r < num_rows)
+    tl.debug_barrier()  # the padding is written before the pairs land on it
+    tl.store(sorted_pairs_ptr + start + rank, pairs, mask=held)
+    blocks = tl.arange(0, BLOCK_NB)
+    tl.store(block_expert_ptr + blocks, block_expert - 1, mask=blocks < num_blocks)
+
+
+def grouped_layout_triton(
+    topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
+) -> GroupedLayout:
+    """Triton twin of `grouped_layout`, one launch instead of a dozen torch ops (decode sizes:
+    at most `LAYOUT_MAX_PAIRS` pairs)."""
+    num_pairs = topk_ids.numel()
+    if num_pairs > LAYOUT_MAX_PAIRS:
+        raise ValueError(f"{num_pairs} pairs: the one-program layout takes <= {LAYOUT_MAX_PAIRS}")
+    ids = topk_ids.reshape(-1)
+    num_rows = _layout_rows(num_pairs, num_local_experts, block_m)
+    num_blocks = num_rows // block_m
+    sorted_pairs = torch.empty(num_rows, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    if num_pairs > 0:
+        launch(
+            _grouped_layout_kernel,
+            (1,),
+            ids,
+            ids,
+            sorted_pairs,
+            block_expert,
+            num_pairs,
+            num_local_experts,
+            first_expert,
+            num_rows,
+            num_blocks,
+            BLOCK_M=block_m,
+            BLOCK_P=max(32, triton.next_power_of_2(num_pairs)),
+            BLOCK_NB=max(32, triton.next_power_of_2(num_blocks)),
+            CHUNK=32,
+            num_warps=4,
+        )
+    else:
+        sorted_pairs.fill_(-1)
+        block_expert.fill_(-1)
+    return GroupedLayout(sorted_pairs, block_expert, block_m)
 
 
 @triton.jit
@@ -274,7 +377,8 @@ def grouped_moe_triton(
         config = DECODE_CONFIG if num_pairs <= DECODE_MAX_PAIRS else PREFILL_CONFIG
     y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=device)  # [T * top_k, hidden]
     if num_pairs > 0:
-        layout = grouped_layout(topk_ids, num_local_experts, first_expert, config.block_m)
+        make_layout = grouped_layout_triton if num_pairs <= LAYOUT_MAX_PAIRS else grouped_layout
+        layout = make_layout(topk_ids, num_local_experts, first_expert, config.block_m)
         num_blocks = layout.block_expert.shape[0]
         h = torch.empty(layout.sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=device)
         upcast = dot_in_fp32(x.dtype)

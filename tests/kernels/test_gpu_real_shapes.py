@@ -14,7 +14,7 @@ from kernels.cache_write import (
     mla_kv_cache_write_reference,
     mla_kv_cache_write_triton,
 )
-from kernels.indexer import indexer_topk_reference, indexer_topk_triton
+from kernels.indexer import indexer_topk_reference, indexer_topk_triton, topk_select_triton
 from kernels.moe_experts import grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.platform import pdl_enabled
@@ -100,6 +100,20 @@ def test_indexer_topk_real_shapes(context: int) -> None:
     expected, actual = indexer_topk_reference(*args), indexer_topk_triton(*args)
     assert torch.equal(actual < 0, expected < 0)
     assert overlap(actual, expected).mean() >= 0.99
+
+
+def test_topk_select_exact_at_long_context() -> None:
+    """The radix select equals a stable sort at up to 128k positions, ties included."""
+    torch.manual_seed(0)
+    positions = torch.tensor([131071, 32767, 8191, 2048, 2047, 5], device=CUDA, dtype=torch.int32)
+    logits = torch.randn(positions.shape[0], 131072, device=CUDA)
+    logits[1] = (logits[1] * 4).round()  # many exact ties at the threshold
+    got = topk_select_triton(logits, positions, INDEX_TOPK)
+    for t, p in enumerate(positions.tolist()):
+        order = torch.sort(-logits[t, : p + 1], stable=True).indices[:INDEX_TOPK]
+        want = torch.full((INDEX_TOPK,), -1, dtype=torch.int32, device=CUDA)
+        want[: order.numel()] = order.sort().values.to(torch.int32)
+        assert torch.equal(got[t], want), t
 
 
 def test_sparse_mla_real_shapes() -> None:

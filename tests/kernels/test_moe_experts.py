@@ -7,6 +7,7 @@ from kernels.moe_experts import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
     grouped_layout,
+    grouped_layout_triton,
     grouped_moe_reference,
     grouped_moe_triton,
 )
@@ -51,3 +52,29 @@ def test_grouped_layout_sorts_pairs_by_expert_in_padded_runs() -> None:
     assert (layout.block_expert[3:] == -1).all()
     assert layout.sorted_pairs[:6].tolist() == [1, 2, 5, -1, 0, 4]
     assert (layout.sorted_pairs[6:] == -1).all()
+
+
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_local,first_expert,block_m",
+    [
+        (1, 8, 256, 0, 16),
+        (8, 8, 64, 64, 16),
+        (32, 8, 256, 0, 16),
+        (5, 3, 7, 2, 4),
+        (1, 1, 1, 0, 16),
+    ],
+)
+def test_grouped_layout_kernel_equals_torch_layout(
+    num_tokens, top_k, num_local, first_expert, block_m
+) -> None:
+    """The one-program layout is the torch layout, pair for pair, with and without experts held
+    elsewhere (expert parallelism), repeated experts, and 256 pairs."""
+    torch.manual_seed(num_tokens * top_k)
+    total = max(num_local + first_expert, 9)
+    ids = torch.stack([torch.randperm(total)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
+    if num_tokens > 2:
+        ids[1] = ids[0]  # two tokens routed alike: runs longer than one pair
+    want = grouped_layout(ids, num_local, first_expert, block_m)
+    got = grouped_layout_triton(ids, num_local, first_expert, block_m)
+    assert torch.equal(got.sorted_pairs.cpu(), want.sorted_pairs.cpu())
+    assert torch.equal(got.block_expert.cpu(), want.block_expert.cpu())

@@ -42,9 +42,11 @@ ALL_KERNELS = {
     "_mla_kv_cache_write_kernel",
     "_indexer_k_cache_write_kernel",
     "_indexer_logits_kernel",
+    "_topk_select_kernel",
     "_sparse_mla_split_kernel",
     "_sparse_mla_merge_kernel",
     "_moe_route_kernel",
+    "_grouped_layout_kernel",
     "_moe_gate_up_kernel",
     "_moe_down_kernel",
 }
