@@ -23,12 +23,9 @@ from kernels.moe_experts import grouped_moe_deepgemm, grouped_moe_reference, gro
 from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.platform import use_triton
 from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
-from kernels.rope import rope_cos_sin, rope_reference
+from kernels.rope import rope_cos_sin, rope_reference, rope_triton
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 
-# RoPE alone has no kernel: the keys' RoPE is fused into the two cache writes, and q's (a small
-# [T, H, 64] elementwise op) stays the twin.
-rope = rope_reference
 # The FP8 indexer rounding runs as torch ops on every device (a twin; no Triton kernel yet).
 indexer_fp8 = indexer_fp8_reference
 
@@ -37,6 +34,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x.device):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    rope_dims: int | None = None,
+) -> torch.Tensor:
+    """Queries' RoPE (the keys' is fused into the two cache writes)."""
+    impl = rope_triton if use_triton(x.device) else rope_reference
+    return impl(x, cos, sin, interleaved, rope_dims)
 
 
 def mla_kv_cache_write(

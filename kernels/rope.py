@@ -9,6 +9,10 @@ q and k stay consistent and cached keys compare bit-for-bit with the oracle's.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import FLOAT_DTYPES, check_tensor, launch
 
 
 def rope_cos_sin(
@@ -20,9 +24,18 @@ def rope_cos_sin(
 
 
 def rope_reference(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    rope_dims: int | None = None,
 ) -> torch.Tensor:
-    """Rotate x [num_tokens, ..., rope_dim] by cos/sin [num_tokens, rope_dim // 2]."""
+    """Rotate x [num_tokens, ..., width] by cos/sin [num_tokens, rope_dims // 2]: the first
+    `rope_dims` (default: all) of the last dim; the rest pass through."""
+    if rope_dims is not None and rope_dims < x.shape[-1]:
+        return torch.cat(
+            [rope_reference(x[..., :rope_dims], cos, sin, interleaved), x[..., rope_dims:]], -1
+        )
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
@@ -32,3 +45,101 @@ def rope_reference(
     cos = cos.reshape(shape).to(x.dtype)
     sin = sin.reshape(shape).to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# --- Triton ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    x_token_stride,
+    x_head_stride,
+    cos_stride,
+    num_heads,
+    width,
+    INTERLEAVED: tl.constexpr,
+    HALF: tl.constexpr,  # rope_dims // 2
+    BLOCK_H: tl.constexpr,
+    BLOCK_REST: tl.constexpr,  # next power of 2 of width - rope_dims (0: none)
+    USE_PDL: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, HALF)
+    head_mask = heads < num_heads
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    row = x_ptr + token * x_token_stride + heads[:, None].to(tl.int64) * x_head_stride
+    if INTERLEAVED:
+        x1 = tl.load(row + 2 * j[None, :], mask=head_mask[:, None], other=0.0)
+        x2 = tl.load(row + 2 * j[None, :] + 1, mask=head_mask[:, None], other=0.0)
+    else:
+        x1 = tl.load(row + j[None, :], mask=head_mask[:, None], other=0.0)
+        x2 = tl.load(row + HALF + j[None, :], mask=head_mask[:, None], other=0.0)
+    dtype = x1.dtype
+    # cos/sin rounded to x's dtype and each product and sum rounded where the twin's torch ops
+    # round (the GPU may still contract a product into an FMA: within a rounding of the twin).
+    c = tl.load(cos_ptr + token * cos_stride + j).to(dtype).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + token * cos_stride + j).to(dtype).to(tl.float32)[None, :]
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    real = (a * c).to(dtype).to(tl.float32) - (b * s).to(dtype).to(tl.float32)
+    imag = (b * c).to(dtype).to(tl.float32) + (a * s).to(dtype).to(tl.float32)
+    out_row = out_ptr + (token * num_heads + heads[:, None].to(tl.int64)) * width
+    tl.store(out_row + j[None, :], real.to(dtype), mask=head_mask[:, None])
+    tl.store(out_row + HALF + j[None, :], imag.to(dtype), mask=head_mask[:, None])
+    if BLOCK_REST > 0:
+        rest = 2 * HALF + tl.arange(0, BLOCK_REST)
+        mask = head_mask[:, None] & (rest[None, :] < width)
+        tl.store(out_row + rest[None, :], tl.load(row + rest[None, :], mask=mask), mask=mask)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def rope_triton(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    rope_dims: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of `rope_reference` for x [T, H, width] (any token/head strides): one launch
+    instead of the twin's dozen elementwise ops, the pass-through dims copied in the same pass."""
+    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("cos", cos, ndim=2, dtypes=(torch.float32,), device=x.device)
+    check_tensor("sin", sin, ndim=2, dtypes=(torch.float32,), device=x.device)
+    num_tokens, num_heads, width = x.shape
+    rope_dims = width if rope_dims is None else rope_dims
+    half = rope_dims // 2
+    if rope_dims % 2 or rope_dims > width or half & (half - 1):
+        raise ValueError(f"rope_dims={rope_dims}: an even power of 2 of at most {width}")
+    if cos.shape != (num_tokens, half) or sin.shape != cos.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos/sin {tuple(cos.shape)}, expected {(num_tokens, half)}")
+    out = torch.empty(num_tokens, num_heads, width, dtype=x.dtype, device=x.device)
+    if num_tokens > 0:
+        block_h = min(16, triton.next_power_of_2(num_heads))
+        rest = width - rope_dims
+        launch(
+            _rope_kernel,
+            (num_tokens, triton.cdiv(num_heads, block_h)),
+            x,
+            x,
+            cos,
+            sin,
+            out,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            num_heads,
+            width,
+            INTERLEAVED=interleaved,
+            HALF=half,
+            BLOCK_H=block_h,
+            BLOCK_REST=triton.next_power_of_2(rest) if rest else 0,
+            num_warps=4,
+        )
+    return out

@@ -131,9 +131,7 @@ class Indexer(nn.Module):
         cos, sin = cos_sin
         num_tokens = x.shape[0]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
-        q = torch.cat(
-            [ops.rope(q[..., : self.rope_dim], cos, sin, False), q[..., self.rope_dim :]], -1
-        )
+        q = ops.rope(q, cos, sin, False, self.rope_dim)  # the first rope_dim dims, half-split
         k_rows = ops.indexer_k_cache_write(
             self.wk(x),
             self.k_norm.weight,

@@ -19,7 +19,7 @@ from kernels.moe_experts import grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.platform import pdl_enabled
 from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
-from kernels.rope import rope_cos_sin
+from kernels.rope import rope_cos_sin, rope_reference, rope_triton
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 from tests.kernels.conftest import assert_close, overlap
 
@@ -60,6 +60,20 @@ def test_rms_norm_real_shapes(width: int) -> None:
 def test_silu_and_mul_real_shapes() -> None:
     x = torch.randn(32 * TOP_K, 2 * MOE_INTER, dtype=BF16, device=CUDA) * 3
     assert_close(silu_and_mul_triton(x), silu_and_mul_reference(x))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32])
+def test_rope_real_shapes(num_tokens: int) -> None:
+    """MLA's q rope part (a view of q_b's output) and the indexer's q, in bf16."""
+    positions = torch.randint(0, 163840, (num_tokens,), device=CUDA)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, ROPE, 2, device=CUDA).float() / ROPE)
+    cos, sin = rope_cos_sin(positions, inv_freq, 1.2)
+    q = torch.randn(num_tokens, NUM_HEADS, 128 + ROPE, dtype=BF16, device=CUDA)
+    q_rope = q[..., 128:]
+    assert_close(rope_triton(q_rope, cos, sin, True), rope_reference(q_rope, cos, sin, True))
+    qi = torch.randn(num_tokens, INDEX_HEADS, INDEX_DIM, dtype=BF16, device=CUDA)
+    got = rope_triton(qi, cos, sin, False, ROPE)
+    assert_close(got, rope_reference(qi, cos, sin, False, ROPE))
 
 
 def test_cache_writes_real_shapes() -> None:

@@ -15,11 +15,13 @@ from kernels import (
     moe_routing,
     ops,
     rmsnorm,
+    rope,
     sparse_mla,
 )
 
 TWINS = {
     "rms_norm": rmsnorm.rms_norm_reference,
+    "rope": rope.rope_reference,
     "mla_kv_cache_write": cache_write.mla_kv_cache_write_reference,
     "indexer_k_cache_write": cache_write.indexer_k_cache_write_reference,
     "indexer_topk": indexer.indexer_topk_reference,

@@ -31,6 +31,7 @@ from kernels.indexer import indexer_topk_reference, indexer_topk_triton
 from kernels.moe_experts import grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from kernels.rope import rope_reference, rope_triton
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 from tests.kernels.conftest import INTERPRETER
 
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.skipif(not INTERPRETER, reason="runs the kernels under 
 
 ALL_KERNELS = {
     "_rms_norm_kernel",
+    "_rope_kernel",
     "_silu_and_mul_kernel",
     "_mla_kv_cache_write_kernel",
     "_indexer_k_cache_write_kernel",
@@ -73,6 +75,7 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             (torch.randn(3, 9), torch.randn(9), 1e-6),
         ),
         ("silu_and_mul", silu_and_mul_triton, silu_and_mul_reference, (torch.randn(3, 10),)),
+        ("rope", rope_triton, rope_reference, (torch.randn(3, 2, 6), cos, sin, True, 4)),
         (
             "mla_kv_cache_write",
             mla_kv_cache_write_triton,

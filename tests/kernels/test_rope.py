@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.rope import rope_cos_sin, rope_reference, rope_triton
+from tests.kernels.conftest import DEVICE, DTYPES, assert_close, needs_triton
+
+pytestmark = needs_triton
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rope_dims", [None, 16])
+def test_rope_is_bit_identical_to_twin(dtype, interleaved, rope_dims) -> None:
+    """Within a rounding of the twin (the GPU contracts a*c - b*s into one FMA; the twin rounds
+    each product). On a strided view (q's rope part inside the projection output, as MLA takes
+    it) and on a whole row with pass-through dims (the indexer's q), for 17 heads (a partial
+    head block)."""
+    torch.manual_seed(int(interleaved))
+    positions = torch.tensor([0, 5, 4095, 163839], device=DEVICE)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2, device=DEVICE).float() / 16)
+    cos, sin = rope_cos_sin(positions, inv_freq, 1.3)
+    full = torch.randn(4, 17, 48, dtype=dtype, device=DEVICE) * 3
+    x = full[..., 32:] if rope_dims is None else full[..., 8:]  # [4, 17, 16] or [4, 17, 40]
+    want = rope_reference(x, cos, sin, interleaved, rope_dims)
+    got = rope_triton(x, cos, sin, interleaved, rope_dims)
+    assert got.is_contiguous() and got.dtype == dtype
+    assert_close(got, want)
+
+
+def test_rope_rejects_mismatched_cos_sin() -> None:
+    x = torch.randn(2, 3, 8, device=DEVICE)
+    cos = torch.randn(2, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope_triton(x, cos, cos, True)
