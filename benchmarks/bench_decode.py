@@ -281,6 +281,7 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="add a TP=N column (N GPUs)")
     ap.add_argument(
         "--profile", action="store_true", help="print the kernels of one b=1, 1k step and exit"
     )
@@ -301,6 +302,70 @@ def main() -> None:
     )
     bw = copy_bandwidth_gbs()
     emit(f"copy bandwidth {bw:.0f} GB/s")
+    steps = run_single(args, emit, bw)
+    if args.tp > 1 and steps:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()  # the single-GPU model is gone before the TP ranks build theirs
+        tp_steps = run_tp(args.tp, args.layers)
+        emit(
+            f"\n| batch | context | TP=1 step ms | TP={args.tp} step ms | TP={args.tp} tok/s |"
+            " speed-up |"
+        )
+        emit("|---|---|---|---|---|---|")
+        for key, ms in tp_steps.items():
+            emit(
+                f"| {key[0]} | {key[1]} | {steps[key]:.2f} | {ms:.2f} | {key[0] / ms * 1e3:.0f}"
+                f" | {steps[key] / ms:.2f}x |"
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def _tp_rank(rank: int, world: int, address: str, layers: int, results) -> None:
+    """One TP rank: its shard of the slice (random weights of the sharded shapes; a step's cost
+    does not depend on their values), top-k broadcast from rank 0 as the engine does at TP > 1,
+    and the same graph-replayed steps as the single-GPU table."""
+    from parallel.distributed import destroy_distributed, init_distributed
+
+    torch.cuda.set_device(rank)
+    init_distributed(rank, world, world, 1, address, torch.device("cuda", rank), 600)
+    model = build_model(slice_config(layers))
+    model.set_topk_source(0)
+    bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
+    graphs = bench.graphs(True, max(BATCHES))
+    times = {(b, c): bench.graph_ms(graphs, b, c, 1) for b in BATCHES for c in CONTEXTS}
+    if rank == 0:
+        results.put(times)
+    torch.cuda.synchronize()
+    destroy_distributed()
+
+
+def run_tp(world: int, layers: int) -> dict[tuple[int, int], float]:
+    """Decode steps of the slice over `world` GPUs (tensor parallel, NCCL), one process each."""
+    import torch.multiprocessing as mp
+
+    from parallel.distributed import open_store
+
+    address = open_store(world, 600)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_tp_rank, args=(rank, world, address, layers, results))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    times = results.get(timeout=1800)
+    for proc in procs:
+        proc.join()
+    return times
+
+
+def run_single(args, emit, bw: float) -> dict[tuple[int, int], float]:
+    """The single-GPU tables; returns the PDL-on step ms per (batch, context)."""
     config = slice_config(args.layers)
     model = build_model(config)
     emit(
@@ -310,7 +375,7 @@ def main() -> None:
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
     if args.profile:
         profile_step(bench)
-        return
+        return {}
     emit("\n| prefill chunk | after context | ms | prefill tok/s |")
     emit("|---|---|---|---|")
     for context in (0, 8192, 30720):
@@ -319,7 +384,7 @@ def main() -> None:
             f"| {args.prefill_chunk} | {context} | {ms:.1f} | {args.prefill_chunk / ms * 1e3:.0f} |"
         )
     if args.prefill_only:
-        return
+        return {}
     graphs = {pdl: bench.graphs(pdl, max(BATCHES)) for pdl in (True, False)}
 
     emit(
@@ -403,9 +468,7 @@ def main() -> None:
             f"transformers generate, b=1, 1k prompt: {hf_ms:.1f} ms/step; ours (graph, PDL) "
             f"{per_layer[(1, 1024)]:.2f} ms/step: {hf_ms / per_layer[(1, 1024)]:.1f}x"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    return per_layer
 
 
 if __name__ == "__main__":

@@ -322,6 +322,36 @@ def _moe_down_kernel(
         )
 
 
+@triton.jit
+def _moe_sum_kernel(
+    y_ptr,
+    ids_ptr,
+    out_ptr,
+    hidden,
+    num_local_experts,
+    first_expert,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[t] = sum over t's held pairs of y[pair], in slot order, rounded once to out's dtype
+    (pairs routed to experts held elsewhere were never written and are skipped)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        local = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+        if (local >= 0) & (local < num_local_experts):
+            acc += tl.load(y_ptr + pair * hidden + cols, mask=mask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True)
 class GroupedGemmConfig:
     block_m: int
@@ -375,7 +405,8 @@ def grouped_moe_triton(
     num_pairs = num_tokens * top_k
     if config is None:
         config = DECODE_CONFIG if num_pairs <= DECODE_MAX_PAIRS else PREFILL_CONFIG
-    y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=device)  # [T * top_k, hidden]
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=device)  # [T * top_k, hidden]
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
     if num_pairs > 0:
         make_layout = grouped_layout_triton if num_pairs <= LAYOUT_MAX_PAIRS else grouped_layout
         layout = make_layout(topk_ids, num_local_experts, first_expert, config.block_m)
@@ -428,7 +459,21 @@ def grouped_moe_triton(
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-    return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+        launch(
+            _moe_sum_kernel,
+            (num_tokens, triton.cdiv(hidden, 1024)),
+            x,
+            y,
+            topk_ids,
+            out,
+            hidden,
+            num_local_experts,
+            first_expert,
+            TOP_K=top_k,
+            BLOCK=1024,
+            num_warps=4,
+        )
+    return out
 
 
 def grouped_moe_deepgemm(

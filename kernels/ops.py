@@ -19,10 +19,16 @@ from kernels.cache_write import (
 )
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton
 from kernels.indexer_fp8 import indexer_fp8_reference
+from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
 from kernels.moe_experts import grouped_moe_deepgemm, grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.platform import use_triton
-from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from kernels.rmsnorm import (
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
 from kernels.rope import rope_cos_sin, rope_reference, rope_triton
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 
@@ -34,6 +40,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x.device):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    impl = linear_fp32_triton if use_triton(x.device) else linear_fp32_reference
+    return impl(x, weight, scale)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = add_rms_norm_triton if use_triton(x.device) else add_rms_norm_reference
+    return impl(x, residual, weight, eps)
 
 
 def rope(
@@ -146,6 +164,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "rms_norm",
+    "add_rms_norm",
+    "linear_fp32",
     "rope",
     "rope_cos_sin",
     "mla_kv_cache_write",

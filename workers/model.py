@@ -39,6 +39,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); with no residual yet, (norm(x), x)."""
+        if residual is None:
+            return self(x), x
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None):
@@ -148,7 +156,7 @@ class Indexer(nn.Module):
             k_cache.view(-1, self.head_dim)[meta.slot_mapping[keep]] = ops.indexer_fp8(
                 k_rows[keep]
             ).to(k_cache.dtype)
-        weights = self.weights_proj(x.float()) * self.num_heads**-0.5  # [T, H] fp32
+        weights = ops.linear_fp32(x, self.weights_proj.weight, self.num_heads**-0.5)  # [T, H]
         return ops.indexer_topk(
             q,
             weights,
@@ -318,7 +326,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        router_logits = x.float() @ self.gate.weight.float().t()  # [T, E]
+        router_logits = ops.linear_fp32(x, self.gate.weight)  # [T, E]
         weights, ids = ops.moe_route(
             router_logits,
             self.gate.e_score_correction_bias,
@@ -354,9 +362,15 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype)
 
-    def forward(self, h, cos_sin, meta, kv_cache, index_cache) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, meta, kv_cache, index_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h, residual, cos_sin, meta, kv_cache, index_cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is `residual + h` (residual None: `h`); returns the MLP output
+        and the stream before it, so each residual add is fused into the next norm."""
+        x, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(x, cos_sin, meta, kv_cache, index_cache)
+        x, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(x), residual
 
 
 class SharedHead(nn.Module):
@@ -386,8 +400,8 @@ class MTPLayer(DecoderLayer):
     def forward(self, input_ids, prev_hidden, cos_sin, meta, kv_cache, index_cache):
         e = self.enorm(self.embed_tokens(input_ids))
         h = self.eh_proj(torch.cat([e, self.hnorm(prev_hidden)], dim=-1))
-        h = super().forward(h, cos_sin, meta, kv_cache, index_cache)
-        return self.shared_head.norm(h)
+        h, residual = super().forward(h, None, cos_sin, meta, kv_cache, index_cache)
+        return self.shared_head.norm.add_forward(h, residual)[0]
 
 
 class DeepseekV32ForCausalLM(nn.Module):
@@ -441,10 +455,10 @@ class DeepseekV32ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> hidden states after the final norm [T, hidden]."""
         cos_sin = self.rotary.cos_sin(meta)
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos_sin, meta, self.kv_caches[i], self.index_caches[i])
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos_sin, meta, self.kv_caches[i], self.index_caches[i])
+        return self.model.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return ParallelLMHead.forward(self.head, hidden).float()

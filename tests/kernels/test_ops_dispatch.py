@@ -11,6 +11,7 @@ from kernels import (
     activation,
     cache_write,
     indexer,
+    linear_fp32,
     moe_experts,
     moe_routing,
     ops,
@@ -21,6 +22,8 @@ from kernels import (
 
 TWINS = {
     "rms_norm": rmsnorm.rms_norm_reference,
+    "linear_fp32": linear_fp32.linear_fp32_reference,
+    "add_rms_norm": rmsnorm.add_rms_norm_reference,
     "rope": rope.rope_reference,
     "mla_kv_cache_write": cache_write.mla_kv_cache_write_reference,
     "indexer_k_cache_write": cache_write.indexer_k_cache_write_reference,

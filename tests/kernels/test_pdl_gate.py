@@ -28,9 +28,15 @@ from kernels.cache_write import (
     mla_kv_cache_write_triton,
 )
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton
+from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
 from kernels.moe_experts import grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
-from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from kernels.rmsnorm import (
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
 from kernels.rope import rope_reference, rope_triton
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 from tests.kernels.conftest import INTERPRETER
@@ -51,6 +57,8 @@ ALL_KERNELS = {
     "_grouped_layout_kernel",
     "_moe_gate_up_kernel",
     "_moe_down_kernel",
+    "_moe_sum_kernel",
+    "_linear_fp32_kernel",
 }
 
 
@@ -74,7 +82,19 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             rms_norm_reference,
             (torch.randn(3, 9), torch.randn(9), 1e-6),
         ),
+        (
+            "add_rms_norm",
+            add_rms_norm_triton,
+            add_rms_norm_reference,
+            (torch.randn(3, 9), torch.randn(3, 9), torch.randn(9), 1e-6),
+        ),
         ("silu_and_mul", silu_and_mul_triton, silu_and_mul_reference, (torch.randn(3, 10),)),
+        (
+            "linear_fp32",
+            linear_fp32_triton,
+            linear_fp32_reference,
+            (torch.randn(3, 70), torch.randn(9, 70), 0.5),
+        ),
         ("rope", rope_triton, rope_reference, (torch.randn(3, 2, 6), cos, sin, True, 4)),
         (
             "mla_kv_cache_write",

@@ -3,7 +3,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from kernels.rmsnorm import (
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
 from tests.kernels.conftest import DEVICE, DTYPES, assert_close, needs_triton
 
 pytestmark = needs_triton
@@ -32,3 +37,18 @@ def test_rms_norm_rejects_mismatched_weight() -> None:
     x = torch.randn(3, 8, device=DEVICE)
     with pytest.raises(ValueError, match="weight"):
         rms_norm_triton(x, torch.ones(7, device=DEVICE), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_twin(dtype: torch.dtype) -> None:
+    """The fused residual add + norm: both outputs, on rows of an odd width."""
+    torch.manual_seed(1)
+    x = torch.randn(5, 3, 300, dtype=dtype, device=DEVICE)
+    residual = torch.randn(5, 3, 300, dtype=dtype, device=DEVICE) * 4
+    weight = torch.rand(300, dtype=dtype, device=DEVICE) + 0.5
+    want_out, want_residual = add_rms_norm_reference(x, residual, weight, 1e-6)
+    got_out, got_residual = add_rms_norm_triton(x, residual, weight, 1e-6)
+    if dtype == torch.float32:  # one rounded add on both sides
+        assert torch.equal(got_residual, want_residual)
+    assert_close(got_residual, want_residual)
+    assert_close(got_out, want_out)
