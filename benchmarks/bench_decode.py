@@ -281,7 +281,9 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--prefill-only", action="store_true")
-    ap.add_argument("--tp", type=int, default=1, help="add a TP=N column (N GPUs)")
+    ap.add_argument(
+        "--tp", type=int, default=1, help="only the decode steps, TP=1 against TP=N (N GPUs)"
+    )
     ap.add_argument(
         "--profile", action="store_true", help="print the kernels of one b=1, 1k step and exit"
     )
@@ -301,14 +303,11 @@ def main() -> None:
         f" commit {commit}, torch {torch.__version__}"
     )
     bw = copy_bandwidth_gbs()
+    torch.cuda.empty_cache()
     emit(f"copy bandwidth {bw:.0f} GB/s")
-    steps = run_single(args, emit, bw)
-    if args.tp > 1 and steps:
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()  # the single-GPU model is gone before the TP ranks build theirs
-        tp_steps = run_tp(args.tp, args.layers)
+    if args.tp > 1:
+        # Each layout in its own processes, one after the other, so each has the GPUs to itself.
+        steps, tp_steps = run_tp(1, args.layers), run_tp(args.tp, args.layers)
         emit(
             f"\n| batch | context | TP=1 step ms | TP={args.tp} step ms | TP={args.tp} tok/s |"
             " speed-up |"
@@ -319,6 +318,8 @@ def main() -> None:
                 f"| {key[0]} | {key[1]} | {steps[key]:.2f} | {ms:.2f} | {key[0] / ms * 1e3:.0f}"
                 f" | {steps[key] / ms:.2f}x |"
             )
+    else:
+        run_single(args, emit, bw)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -331,9 +332,10 @@ def _tp_rank(rank: int, world: int, address: str, layers: int, results) -> None:
     from parallel.distributed import destroy_distributed, init_distributed
 
     torch.cuda.set_device(rank)
-    init_distributed(rank, world, world, 1, address, torch.device("cuda", rank), 600)
+    if world > 1:
+        init_distributed(rank, world, world, 1, address, torch.device("cuda", rank), 600)
     model = build_model(slice_config(layers))
-    model.set_topk_source(0)
+    model.set_topk_source(0 if world > 1 else None)
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
     graphs = bench.graphs(True, max(BATCHES))
     times = {(b, c): bench.graph_ms(graphs, b, c, 1) for b in BATCHES for c in CONTEXTS}
@@ -358,7 +360,18 @@ def run_tp(world: int, layers: int) -> dict[tuple[int, int], float]:
     ]
     for proc in procs:
         proc.start()
-    times = results.get(timeout=1800)
+    import queue
+
+    while True:
+        try:
+            times = results.get(timeout=5)
+            break
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"a TP rank exited with {failed[0]}") from None
     for proc in procs:
         proc.join()
     return times
