@@ -294,9 +294,10 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    commit = subprocess.run(
+    # GIT_COMMIT first: a copied tree may carry a stale .git.
+    commit = os.environ.get("GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip() or os.environ.get("GIT_COMMIT", "?")
+    ).stdout.strip() or "?"
     emit(
         f"device {torch.cuda.get_device_name()}, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC,"
