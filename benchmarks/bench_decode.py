@@ -295,9 +295,13 @@ def main() -> None:
         lines.append(line)
 
     # GIT_COMMIT first: a copied tree may carry a stale .git.
-    commit = os.environ.get("GIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip() or "?"
+    commit = (
+        os.environ.get("GIT_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "?"
+    )
     emit(
         f"device {torch.cuda.get_device_name()}, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC,"
@@ -332,14 +336,24 @@ def _tp_rank(rank: int, world: int, address: str, layers: int, results) -> None:
     and the same graph-replayed steps as the single-GPU table."""
     from parallel.distributed import destroy_distributed, init_distributed
 
+    def progress(what: str) -> None:  # a stalled run shows where it stalled
+        print(f"[TP={world} rank {rank}] {what}", flush=True)
+
     torch.cuda.set_device(rank)
     if world > 1:
         init_distributed(rank, world, world, 1, address, torch.device("cuda", rank), 600)
+        progress("joined the group")
     model = build_model(slice_config(layers))
     model.set_topk_source(0 if world > 1 else None)
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
+    progress("model and caches built")
     graphs = bench.graphs(True, max(BATCHES))
-    times = {(b, c): bench.graph_ms(graphs, b, c, 1) for b in BATCHES for c in CONTEXTS}
+    progress("graphs captured")
+    times = {}
+    for b in BATCHES:
+        for c in CONTEXTS:
+            times[(b, c)] = bench.graph_ms(graphs, b, c, 1)
+            progress(f"batch {b}, context {c}: {times[(b, c)]:.2f} ms")
     if rank == 0:
         results.put(times)
     torch.cuda.synchronize()
