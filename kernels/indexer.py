@@ -59,6 +59,14 @@ def indexer_topk_reference(
 # last pass writes the positions above it (and the first ones equal to it) in position order.
 # With p + 1 <= topk it writes 0..p without reading a logit. The twin returns the same set best
 # first; consumers treat a row as a set.
+#
+# One program scans a row, so the select's cost grows with the context on one SM: on the H200 it
+# beat torch's sort/topk over the whole table at every context up to a 33k-position table
+# (BENCHMARKS.md, issue 8). Wider tables (longer max_model_len) keep torch.topk over the row,
+# measured before; a select split over several programs per row is the next step.
+
+# The widest logits row (positions the block table addresses) the radix select takes.
+_RADIX_MAX_POSITIONS = 33 * 1024
 
 # Keys per program. 32 keys x 128 dims of bf16 is 8 KiB a program: enough programs at batch 1
 # and 8k context (256) to cover the H200's 132 SMs twice.
@@ -302,8 +310,18 @@ def indexer_topk_triton(
     topk: int,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Triton twin of `indexer_topk_reference`: the same set per row, in position order."""
+    """Triton twin of `indexer_topk_reference`: the same set per row (in position order from the
+    radix select, best first from torch.topk on wider tables)."""
     logits = indexer_logits_triton(
         q, weights, k_cache, block_tables, seq_idx, positions, softmax_scale
     )
-    return topk_select_triton(logits, positions, topk)
+    num_tokens, width = logits.shape
+    if width <= _RADIX_MAX_POSITIONS:
+        return topk_select_triton(logits, positions, topk)
+    # Entries past each token's key block were never written: -inf before torch reads the row.
+    past = torch.arange(width, device=logits.device)[None, :] > positions[:, None]
+    k = min(topk, width)
+    idx = logits.masked_fill_(past, float("-inf")).topk(k, dim=-1).indices.to(torch.int32)
+    rank = torch.arange(k, device=logits.device)
+    idx = idx.masked_fill_(rank[None, :] > positions[:, None], -1)
+    return torch.nn.functional.pad(idx, (0, topk - k), value=-1) if k < topk else idx

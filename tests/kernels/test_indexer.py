@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import indexer as indexer_module
 from kernels.indexer import (
     indexer_logits_triton,
     indexer_topk_reference,
@@ -93,3 +94,17 @@ def test_topk_select_ignores_logits_past_the_position() -> None:
     want = _select_oracle(logits, positions, 64)
     got = topk_select_triton(poisoned.to(DEVICE), positions.to(DEVICE), 64).cpu()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("topk", [7, 300])
+def test_indexer_topk_on_wide_tables_uses_torch_topk(monkeypatch, topk: int) -> None:
+    """Past _RADIX_MAX_POSITIONS the selection is torch.topk over the row, with the unwritten
+    logits past each token's key block masked first: the same sets as the twin."""
+    monkeypatch.setattr(indexer_module, "_RADIX_MAX_POSITIONS", 64)  # the 192-position table
+    monkeypatch.setattr(indexer_module, "topk_select_triton", None)  # must not be reached
+    args = _problem(torch.float32, 3, 37, seed=topk)
+    expected = indexer_topk_reference(*args[:6], topk, 37**-0.5)
+    actual = indexer_topk_triton(*args[:6], topk, 37**-0.5)
+    assert actual.dtype == torch.int32 and actual.shape == expected.shape
+    assert torch.equal(actual < 0, expected < 0)
+    assert overlap(actual, expected).min() >= 0.99
