@@ -152,7 +152,7 @@ def kernel_cases(batch: int, context: int, experts):
     )
     cases.append(
         (
-            "indexer_topk (logits + torch.sort)",
+            "indexer_topk (logits + radix select)",
             lambda: indexer_topk_triton(
                 qi, wi, k_cache, tables, seq_idx, positions, INDEX_TOPK, INDEX_DIM**-0.5
             ),
