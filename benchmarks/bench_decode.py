@@ -347,6 +347,10 @@ def _tp_rank(rank: int, world: int, address: str, layers: int, results) -> None:
     model.set_topk_source(0 if world > 1 else None)
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
     progress("model and caches built")
+    # One eager step first, as the engine's workers run before they capture: the first
+    # collectives happen outside any capture and on the default stream.
+    bench.prefill_ms(0, 64, reps=1)
+    progress("eager step done")
     graphs = bench.graphs(True, max(BATCHES))
     progress("graphs captured")
     times = {}
