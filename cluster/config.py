@@ -75,8 +75,5 @@ class EngineConfig:
     def cuda_graph_max_batch(self) -> int:
         return 0 if self.enforce_eager else self.max_num_seqs
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -111,22 +111,3 @@ def num_stop_holdback_chars(text: str, stop_strings: list[str]) -> int:
                 holdback = length
                 break
     return holdback
-
-
-class StopChecker:
-    """Stop-string matching over a growing text, remembering how far it has searched."""
-
-    def __init__(self, stop_strings: list[str]):
-        self.stop_strings = list(stop_strings)
-        self._num_checked_chars = 0
-
-    def check(self, text: str) -> tuple[int, str] | None:
-        """Find the earliest stop string that ends in text added since the last call."""
-        if not self.stop_strings:
-            return None
-        start = stop_search_start(self._num_checked_chars, self.stop_strings)
-        self._num_checked_chars = len(text)
-        return find_stop_string(text, self.stop_strings, start)
-
-    def holdback(self, text: str) -> int:
-        return num_stop_holdback_chars(text, self.stop_strings)

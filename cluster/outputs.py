@@ -80,11 +80,6 @@ class SpecDecodeStats:
             for p, a in zip(self.num_proposed_per_position, self.num_accepted_per_position)
         ]
 
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts over proposed drafts; 0.0 when none were proposed."""
-        return self.num_accepted_drafts / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
 
 @dataclass
 class RequestOutput:
@@ -108,10 +103,6 @@ class RequestOutput:
     spec: SpecDecodeStats | None = None
     error: str | None = None
     new_logprobs: list[Any] | None = None
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 def make_request_output(request: Request) -> RequestOutput:

@@ -122,13 +122,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
-    def token_at(self, position: int) -> int:
-        """Token id at `position` of prompt + output, without building `all_token_ids`."""
-        num_prompt = len(self.prompt_token_ids)
-        if position < num_prompt:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - num_prompt]
-
     def token_slice(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without copying the whole sequence."""
         num_prompt = len(self.prompt_token_ids)

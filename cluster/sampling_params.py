@@ -76,11 +76,6 @@ class SamplingParams:
         """True when sampling is argmax: temperature (near) 0, or top_k == 1."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
-    @property
-    def max_stop_string_chars(self) -> int:
-        """Length of the longest stop string (0 when none): how far back a new match can start."""
-        return max((len(s) for s in self.stop), default=0)
-
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `InvalidRequestError(param=<field>)` on the first invalid field."""
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

@@ -8,7 +8,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cluster.detokenizer import (
     IncrementalDetokenizer,
-    StopChecker,
     find_stop_string,
     num_stop_holdback_chars,
 )
@@ -151,10 +150,3 @@ def test_holdback_is_longest_proper_prefix_suffix() -> None:
     assert num_stop_holdback_chars("abc", ["xyz"]) == 0
     assert num_stop_holdback_chars("ab", ["abc", "b"]) == 2
     assert num_stop_holdback_chars("", ["abc"]) == 0
-
-
-def test_stop_checker_only_finds_matches_ending_in_new_text() -> None:
-    checker = StopChecker(["cd"])
-    assert checker.check("abc") is None
-    assert checker.check("abcde") == (2, "cd")  # spans the old/new boundary
-    assert checker.holdback("xxc") == 1
