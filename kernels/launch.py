@@ -22,11 +22,6 @@ def kernel_device(tensor: torch.Tensor) -> torch.device:
     return tensor.device
 
 
-def pdl_variants(device: torch.device) -> tuple[bool, ...]:
-    """USE_PDL values a warm-up/compile enumeration should build for `device`: only the gate's."""
-    return (True,) if pdl_enabled(device) else (False,)
-
-
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether a kernel's tl.dot must run on fp32 operands (UPCAST_DOT, with ieee precision).
 

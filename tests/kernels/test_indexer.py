@@ -10,10 +10,15 @@ from kernels.indexer import (
     indexer_topk_triton,
     topk_select_triton,
 )
-from kernels.paged import gather_positions
 from tests.kernels.conftest import DEVICE, DTYPES, needs_triton, overlap
 
 pytestmark = needs_triton
+
+
+def gather_positions(cache: torch.Tensor, table_row: torch.Tensor, num: int) -> torch.Tensor:
+    """Cache rows of positions 0..num-1 of one sequence: [num, width]."""
+    positions = torch.arange(num, device=cache.device)
+    return cache[table_row[positions // cache.shape[1]].long(), positions % cache.shape[1]]
 
 
 def _problem(dtype: torch.dtype, num_heads: int, head_dim: int, seed: int = 0):

@@ -228,7 +228,6 @@ def test_no_pdl_launch_where_the_gate_is_off(fake_platform, launches, make_platf
     make_platform(fake_platform)
     cuda0 = torch.device("cuda", 0)
     assert not platform.pdl_enabled(cuda0)
-    assert launch_module.pdl_variants(cuda0) == (False,)  # warm-up compiles no PDL variant
     for name, triton_op, twin, args in _cases():
         cloned = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         actual, expected = triton_op(*args), twin(*cloned)
