@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, launch
 from kernels.rmsnorm import rms_norm_reference
-from kernels.rope import rope_reference
+from kernels.rope import rope_pair, rope_reference
 
 
 def _write(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
@@ -57,24 +57,12 @@ def indexer_k_cache_write_reference(
     """k [T, index_head_dim] -> LayerNorm(k) with its first rope dims rotated half-split; cached."""
     rope_dim = cos.shape[-1] * 2
     k = F.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, eps)
-    rows = torch.cat([rope_reference(k[:, :rope_dim], cos, sin, False), k[:, rope_dim:]], -1)
+    rows = rope_reference(k[:, None], cos, sin, False, rope_dim)[:, 0]
     _write(k_cache, slot_mapping, rows)
     return rows
 
 
 # --- Triton ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rope_pair(x1, x2, cos, sin, ROUND_DTYPE: tl.constexpr):
-    """(x1 cos - x2 sin, x2 cos + x1 sin), rounding where the twin's torch ops round."""
-    cos = cos.to(ROUND_DTYPE).to(tl.float32)
-    sin = sin.to(ROUND_DTYPE).to(tl.float32)
-    a = (x1 * cos).to(ROUND_DTYPE).to(tl.float32)
-    b = (x2 * sin).to(ROUND_DTYPE).to(tl.float32)
-    c = (x2 * cos).to(ROUND_DTYPE).to(tl.float32)
-    d = (x1 * sin).to(ROUND_DTYPE).to(tl.float32)
-    return (a - b).to(ROUND_DTYPE), (c + d).to(ROUND_DTYPE)
 
 
 @triton.jit
@@ -118,7 +106,7 @@ def _mla_kv_cache_write_kernel(
     rstd = tl.rsqrt(tl.sum(lat32 * lat32, axis=0) / KV_LORA_RANK + eps)
     w = tl.load(weight_ptr + cols, mask=lat_mask, other=0.0).to(tl.float32)
     normed = w * (lat32 * rstd).to(latent.dtype).to(tl.float32)
-    re, im = _rope_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin, latent.dtype)
+    re, im = rope_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin, latent.dtype)
 
     row_dtype = rows_ptr.dtype.element_ty
     dst = rows_ptr + token * width
@@ -255,7 +243,7 @@ def _indexer_k_cache_write_kernel(
     b2 = tl.load(ln_bias_ptr + ROPE_HALF + half, mask=half_mask, other=0.0).to(tl.float32)
     n1 = ((k1.to(tl.float32) - mean) * rstd * w1 + b1).to(k.dtype).to(tl.float32)
     n2 = ((k2.to(tl.float32) - mean) * rstd * w2 + b2).to(k.dtype).to(tl.float32)
-    re, im = _rope_pair(n1, n2, cos, sin, k.dtype)
+    re, im = rope_pair(n1, n2, cos, sin, k.dtype)
 
     tail = mask & (cols >= 2 * ROPE_HALF)
     dst = rows_ptr + token * HEAD_DIM

@@ -51,6 +51,20 @@ def rope_reference(
 
 
 @triton.jit
+def rope_pair(x1, x2, cos, sin, ROUND_DTYPE: tl.constexpr):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) for fp32 x1, x2, cos, sin, rounding to ROUND_DTYPE
+    where the twin's torch ops round (the GPU may still contract a product into an FMA: within
+    a rounding of the twin). Shared by the queries' kernel and the keys' cache writes."""
+    cos = cos.to(ROUND_DTYPE).to(tl.float32)
+    sin = sin.to(ROUND_DTYPE).to(tl.float32)
+    a = (x1 * cos).to(ROUND_DTYPE).to(tl.float32)
+    b = (x2 * sin).to(ROUND_DTYPE).to(tl.float32)
+    c = (x2 * cos).to(ROUND_DTYPE).to(tl.float32)
+    d = (x1 * sin).to(ROUND_DTYPE).to(tl.float32)
+    return (a - b).to(ROUND_DTYPE), (c + d).to(ROUND_DTYPE)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     cos_ptr,
@@ -80,18 +94,12 @@ def _rope_kernel(
     else:
         x1 = tl.load(row + j[None, :], mask=head_mask[:, None], other=0.0)
         x2 = tl.load(row + HALF + j[None, :], mask=head_mask[:, None], other=0.0)
-    dtype = x1.dtype
-    # cos/sin rounded to x's dtype and each product and sum rounded where the twin's torch ops
-    # round (the GPU may still contract a product into an FMA: within a rounding of the twin).
-    c = tl.load(cos_ptr + token * cos_stride + j).to(dtype).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + token * cos_stride + j).to(dtype).to(tl.float32)[None, :]
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    real = (a * c).to(dtype).to(tl.float32) - (b * s).to(dtype).to(tl.float32)
-    imag = (b * c).to(dtype).to(tl.float32) + (a * s).to(dtype).to(tl.float32)
+    c = tl.load(cos_ptr + token * cos_stride + j)[None, :]
+    s = tl.load(sin_ptr + token * cos_stride + j)[None, :]
+    real, imag = rope_pair(x1.to(tl.float32), x2.to(tl.float32), c, s, x1.dtype)
     out_row = out_ptr + (token * num_heads + heads[:, None].to(tl.int64)) * width
-    tl.store(out_row + j[None, :], real.to(dtype), mask=head_mask[:, None])
-    tl.store(out_row + HALF + j[None, :], imag.to(dtype), mask=head_mask[:, None])
+    tl.store(out_row + j[None, :], real, mask=head_mask[:, None])
+    tl.store(out_row + HALF + j[None, :], imag, mask=head_mask[:, None])
     if BLOCK_REST > 0:
         rest = 2 * HALF + tl.arange(0, BLOCK_REST)
         mask = head_mask[:, None] & (rest[None, :] < width)
