@@ -178,14 +178,10 @@ class OpenAIIngress:
         if (not_found := self._check_model(request.model, info)) is not None:
             return not_found
         prompts = serving.completion_prompt_token_ids(request, tokenizer)
-        plans = await self._plan(serving.plan_completion, request, prompts, info.max_model_len)
-        if isinstance(plans, JSONResponse):
-            return plans
-        request_id = random_id("cmpl")
-        opened = await self._open(request_id, plans)
-        if isinstance(opened, JSONResponse):
-            return opened
-        merged = self._merge(*opened)
+        started = await self._start("cmpl", serving.plan_completion, request, prompts, info)
+        if isinstance(started, JSONResponse):
+            return started
+        request_id, plans, merged = started
         if request.stream:
             return StreamingResponse(
                 self._completion_events(request, request_id, info, plans, merged, tokenizer),
@@ -228,14 +224,10 @@ class OpenAIIngress:
             return error_response(
                 400, f"chat template failed: {exc}", "invalid_request_error", param="messages"
             )
-        plans = await self._plan(serving.plan_chat, request, prompt_ids, info.max_model_len)
-        if isinstance(plans, JSONResponse):
-            return plans
-        request_id = random_id("chatcmpl")
-        opened = await self._open(request_id, plans)
-        if isinstance(opened, JSONResponse):
-            return opened
-        merged = self._merge(*opened)
+        started = await self._start("chatcmpl", serving.plan_chat, request, prompt_ids, info)
+        if isinstance(started, JSONResponse):
+            return started
+        request_id, plans, merged = started
         num_top = request.top_logprobs or 0
         if request.stream:
             return StreamingResponse(
@@ -267,9 +259,11 @@ class OpenAIIngress:
 
     # -- engine calls -------------------------------------------------------------------------
 
-    async def _plan(self, plan_fn, request, prompts, max_model_len):
+    async def _start(self, id_prefix: str, plan_fn, request, prompts, info):
+        """Plan the choices, start them on the engine and merge their streams:
+        (request id, plans, merged stream), or the error response to send instead."""
         try:
-            return plan_fn(request, prompts, max_model_len)
+            plans = plan_fn(request, prompts, info.max_model_len)
         except (InvalidRequestError, ValueError) as exc:
             return error_response(
                 400,
@@ -277,6 +271,11 @@ class OpenAIIngress:
                 "invalid_request_error",
                 getattr(exc, "param", None),
             )
+        request_id = random_id(id_prefix)
+        opened = await self._open(request_id, plans)
+        if isinstance(opened, JSONResponse):
+            return opened
+        return request_id, plans, self._merge(*opened)
 
     async def _open(self, request_id: str, plans: list[serving.ChoicePlan]):
         """Start one engine request per choice and wait for each one's first item."""
