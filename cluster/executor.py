@@ -25,6 +25,29 @@ class Executor(abc.ABC):
     def shutdown(self) -> None: ...
 
 
+def worker_spec(config: EngineConfig):
+    """The engine config as one rank sees it (a workers.worker.WorkerSpec)."""
+    from workers.worker import WorkerSpec
+
+    return WorkerSpec(
+        model=config.model,
+        tp_size=config.tp_size,
+        ep_size=config.ep_size,
+        device=config.device,
+        dtype=config.dtype,
+        num_kv_blocks=config.num_kv_blocks,
+        block_size_tokens=config.block_size_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        cpu_threads=config.cpu_threads,
+        topk_src_rank=config.topk_src_rank,
+        collective_timeout_s=config.step_timeout_s,
+        cuda_graph_max_batch=config.cuda_graph_max_batch,
+        max_model_len=config.max_model_len or 8192,
+        max_num_seqs=config.max_num_seqs,
+        indexer_numerics=config.indexer_numerics,
+    )
+
+
 class WorkerError(RuntimeError):
     """A rank died, hung past the step timeout, or raised."""
 
@@ -33,20 +56,7 @@ class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig):
         from workers.worker import Worker
 
-        self.worker = Worker(
-            config.model,
-            config.device,
-            config.dtype,
-            config.num_kv_blocks,
-            config.block_size_tokens,
-            enable_mtp=True,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            cpu_threads=config.cpu_threads,
-            cuda_graph_max_batch=config.cuda_graph_max_batch,
-            max_num_seqs=config.max_num_seqs,
-            indexer_numerics=config.indexer_numerics,
-            max_model_len=config.max_model_len or 8192,
-        )
+        self.worker = Worker.from_spec(worker_spec(config), config.device)
         self.num_kv_blocks = self.worker.num_kv_blocks
         self.has_mtp = self.worker.has_mtp
 

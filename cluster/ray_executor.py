@@ -13,12 +13,13 @@ when the replica reserved one per rank after its own), so they start and die wit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 
 from cluster.config import EngineConfig
-from cluster.executor import Executor, WorkerError
+from cluster.executor import Executor, WorkerError, worker_spec
 from workers.batch import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class RayExecutor(Executor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from workers.worker_actor import WorkerActor, WorkerSpec
+        from workers.worker_actor import WorkerActor
 
         ensure_ray(config)
         self.config = config
@@ -65,23 +66,7 @@ class RayExecutor(Executor):
         num_gpus = 1 if _wants_gpu(config) else 0
         device = config.device if config.device != "auto" else ("cuda" if num_gpus else "cpu")
         pg, first_bundle = self._placement_group(ray, placement_group, num_gpus)
-        spec = WorkerSpec(
-            model=config.model,
-            tp_size=config.tp_size,
-            ep_size=config.ep_size,
-            device=device,
-            dtype=config.dtype,
-            num_kv_blocks=config.num_kv_blocks,
-            block_size_tokens=config.block_size_tokens,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            cpu_threads=config.cpu_threads,
-            topk_src_rank=config.topk_src_rank,
-            collective_timeout_s=config.step_timeout_s,
-            cuda_graph_max_batch=config.cuda_graph_max_batch,
-            max_model_len=config.max_model_len or 8192,
-            max_num_seqs=config.max_num_seqs,
-            indexer_numerics=config.indexer_numerics,
-        )
+        spec = dataclasses.replace(worker_spec(config), device=device)
         actor_cls = ray.remote(WorkerActor)
         try:
             for rank in range(config.tp_size):

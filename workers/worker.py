@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,27 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a rank needs to start; built by the executors from the engine config."""
+
+    model: str  # checkpoint directory
+    tp_size: int
+    ep_size: int
+    device: str  # "auto" | "cpu" | "cuda"
+    dtype: str
+    num_kv_blocks: int | None
+    block_size_tokens: int
+    gpu_memory_utilization: float
+    cpu_threads: int | None
+    topk_src_rank: int | None  # see workers.model.Indexer.src_tp_rank
+    collective_timeout_s: float  # every collective of the group; a hung peer becomes an error
+    cuda_graph_max_batch: int = 0  # 0: eager decode steps
+    max_model_len: int = 8192
+    max_num_seqs: int = 64
+    indexer_numerics: str = "exact"
 
 
 class Worker:
@@ -75,6 +97,24 @@ class Worker:
             self.device,
             cuda_graph_max_batch,
             max_model_len,
+        )
+
+    @classmethod
+    def from_spec(cls, spec: WorkerSpec, device: str) -> Worker:
+        return cls(
+            spec.model,
+            device,
+            spec.dtype,
+            spec.num_kv_blocks,
+            spec.block_size_tokens,
+            enable_mtp=True,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            cpu_threads=spec.cpu_threads,
+            topk_src_rank=spec.topk_src_rank,
+            cuda_graph_max_batch=spec.cuda_graph_max_batch,
+            max_model_len=spec.max_model_len,
+            max_num_seqs=spec.max_num_seqs,
+            indexer_numerics=spec.indexer_numerics,
         )
 
     @property

@@ -15,34 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 from parallel.distributed import destroy_distributed, init_distributed, open_store
 from workers.batch import StepInput, StepOutput
-from workers.worker import Worker, resolve_device
+from workers.worker import Worker, WorkerSpec, resolve_device
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a rank needs to start; built by the executor from the engine config."""
-
-    model: str  # checkpoint directory
-    tp_size: int
-    ep_size: int
-    device: str  # "auto" | "cpu" | "cuda"
-    dtype: str
-    num_kv_blocks: int | None
-    block_size_tokens: int
-    gpu_memory_utilization: float
-    cpu_threads: int | None
-    topk_src_rank: int | None  # see workers.model.Indexer.src_tp_rank
-    collective_timeout_s: float  # every collective of the group; a hung peer becomes an error
-    cuda_graph_max_batch: int = 0  # 0: eager decode steps
-    max_model_len: int = 8192
-    max_num_seqs: int = 64
-    indexer_numerics: str = "exact"
 
 
 class WorkerActor:
@@ -71,22 +49,7 @@ class WorkerActor:
 
     def load(self) -> tuple[int, bool]:
         """-> (num_kv_blocks this rank can hold, whether the checkpoint has an MTP layer)."""
-        s = self.spec
-        self.worker = Worker(
-            s.model,
-            self.device.type,
-            s.dtype,
-            s.num_kv_blocks,
-            s.block_size_tokens,
-            enable_mtp=True,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            cpu_threads=s.cpu_threads,
-            topk_src_rank=s.topk_src_rank,
-            cuda_graph_max_batch=s.cuda_graph_max_batch,
-            max_model_len=s.max_model_len,
-            max_num_seqs=s.max_num_seqs,
-            indexer_numerics=s.indexer_numerics,
-        )
+        self.worker = Worker.from_spec(self.spec, self.device.type)
         return self.worker.num_kv_blocks, self.worker.has_mtp
 
     def execute(self, step: StepInput) -> StepOutput | None:

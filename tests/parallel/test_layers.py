@@ -21,7 +21,8 @@ def ranks(ray_local):
     """Two bare WorkerActors (no model) that have formed a TP=2 gloo group."""
     ray = ray_local
     from cluster.ray_executor import RayExecutor
-    from workers.worker_actor import WorkerActor, WorkerSpec
+    from workers.worker import WorkerSpec
+    from workers.worker_actor import WorkerActor
 
     # The functions below run inside the actors: ship them by value, not by module name.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
