@@ -358,9 +358,9 @@ def _tp_rank(rank: int, world: int, address: str, layers: int, results) -> None:
         for c in CONTEXTS:
             times[(b, c)] = bench.graph_ms(graphs, b, c, 1)
             progress(f"batch {b}, context {c}: {times[(b, c)]:.2f} ms")
+    torch.cuda.synchronize()
     if rank == 0:
         results.put(times)
-    torch.cuda.synchronize()
     destroy_distributed()
 
 
@@ -391,8 +391,12 @@ def run_tp(world: int, layers: int) -> dict[tuple[int, int], float]:
                 for proc in procs:
                     proc.kill()
                 raise RuntimeError(f"a TP rank exited with {failed[0]}") from None
+    # The measurement is in; a rank that then stalls tearing NCCL down (seen on the two-GPU
+    # machine: the run hung after every rank had printed its last step) must not hang the table.
     for proc in procs:
-        proc.join()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
     return times
 
 

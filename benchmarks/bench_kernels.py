@@ -276,6 +276,39 @@ def sweep_sparse_mla(experts, emit) -> None:
     sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS = saved
 
 
+def select_times_us(batch: int, context: int) -> list[float]:
+    """One row of `select_table`: each token at the last position of its own sequence."""
+    from kernels.indexer import key_histogram, topk_select_reference, topk_select_triton
+
+    k_cache, tables = paged(batch, context, INDEX_DIM)
+    seq_idx = torch.arange(batch, device=CUDA, dtype=torch.int32)
+    positions = torch.full((batch,), context - 1, device=CUDA, dtype=torch.int32)
+    qi = torch.randn(batch, INDEX_HEADS, INDEX_DIM, dtype=BF16, device=CUDA)
+    wi = torch.rand(batch, INDEX_HEADS, dtype=BF16, device=CUDA) * INDEX_HEADS**-0.5
+    args = (qi, wi, k_cache, tables, seq_idx, positions)
+    logits = indexer_logits_triton(*args, INDEX_DIM**-0.5)
+    hist = key_histogram(logits, positions, INDEX_TOPK)
+    return [
+        graph_time_us(lambda: indexer_topk_triton(*args, INDEX_TOPK, INDEX_DIM**-0.5)),
+        graph_time_us(lambda: indexer_logits_triton(*args, INDEX_DIM**-0.5)),
+        graph_time_us(lambda: topk_select_triton(logits, positions, INDEX_TOPK, hist)),
+        graph_time_us(lambda: topk_select_reference(logits, positions, INDEX_TOPK)),
+    ]
+
+
+def select_table(emit) -> None:
+    """The indexer's top-k at long contexts: the whole op (logits kernel with its histogram, then
+    the select), the logits kernel alone, the select alone (histogram given) and torch.topk over
+    the same logits, PDL on."""
+    emit("\nIndexer top-2048 at long context (graph replays, PDL on; us per call):")
+    emit("| batch | context | logits + select | logits alone | select alone | torch.topk |")
+    emit("|---|---|---|---|---|---|")
+    for context in (1024, 8192, 32768, 131072):
+        for batch in (1, 8):
+            times = select_times_us(batch, context)
+            emit(f"| {batch} | {context} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+
+
 def eager_time_us(fn, iters: int = 5) -> float:
     fn()
     torch.cuda.synchronize()
@@ -294,6 +327,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--commit", default=None, help="git commit (the device copy has no .git)")
     parser.add_argument("--sweep-mla", action="store_true", help="time sparse-MLA tile configs")
+    parser.add_argument("--select", action="store_true", help="only the long-context top-k table")
     args = parser.parse_args()
     torch.manual_seed(0)
     lines = []
@@ -318,6 +352,16 @@ def main() -> None:
     emit(f"command: PYTHONPATH=$PWD python {' '.join(sys.argv)}")
     copy = copy_bandwidth_gbs()
     emit(f"measured copy bandwidth (2 GiB D2D, read + write): {copy:.0f} GB/s")
+    if args.select:
+        select_table(emit)
+    else:
+        kernel_tables(args, emit, copy)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def kernel_tables(args, emit, copy: float) -> None:
     emit()
     w13 = torch.randn(NUM_EXPERTS, 2 * MOE_INTER, HIDDEN, dtype=BF16, device=CUDA) * 0.02
     w2 = torch.randn(NUM_EXPERTS, HIDDEN, MOE_INTER, dtype=BF16, device=CUDA) * 0.02
@@ -374,9 +418,6 @@ def main() -> None:
             f"{100 * (1 - times[True] / times[False]):.1f}% |"
         )
     with_pdl(True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -35,17 +35,25 @@ def indexer_topk_reference(
         return out
     num_keys = int(positions.max()) + 1  # keys 0..S-1 of every token's sequence
     keys_range = torch.arange(num_keys, device=q.device)
-    k = min(topk, num_keys)
     for rows in token_chunks(num_tokens, num_keys * head_dim):
         pos = positions[rows]
         span = keys_range.expand(pos.shape[0], num_keys)
         keys = gather_token_rows(k_cache, block_tables, seq_idx[rows], span).float()  # [t, S, D]
         scores = torch.einsum("thd,tsd->ths", q[rows].float(), keys) * softmax_scale
         logits = torch.einsum("th,ths->ts", weights[rows].float(), scores.relu())  # [t, S]
-        logits = logits.masked_fill(keys_range[None, :] > pos[:, None], float("-inf"))
-        idx = logits.topk(k, dim=-1).indices.to(torch.int32)
-        out[rows, :k] = idx.masked_fill(keys_range[None, :k] > pos[:, None], -1)
+        out[rows] = topk_select_reference(logits, pos, topk)
     return out
+
+
+def topk_select_reference(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """int32 [T, topk]: the positions of the min(topk, p + 1) largest of logits[t, 0..p]
+    (p = positions[t]), best first, then -1. Entries past p are not read."""
+    width = logits.shape[1]
+    past = torch.arange(width, device=logits.device)[None, :] > positions[:, None]
+    k = min(topk, width)
+    idx = logits.masked_fill(past, float("-inf")).topk(k, dim=-1).indices.to(torch.int32)
+    idx = idx.masked_fill_(past[:, :k], -1)  # rank r exists iff r <= p
+    return torch.nn.functional.pad(idx, (0, topk - k), value=-1)
 
 
 # --- Triton ---------------------------------------------------------------------------------------
@@ -53,26 +61,51 @@ def indexer_topk_reference(
 # Two kernels. The logits kernel scores every key up to each token's position over the paged
 # cache; its buffer spans every position the block table can address (no host sync, so CUDA-graph
 # capturable), but programs whose keys all lie past the token's position exit at once, so a decode
-# step costs what its context costs, not what the table could hold. The selection kernel is a
-# radix select, one program per token, over that token's own positions 0..p: four passes of an
-# 8-bit histogram over the logits' order-preserving integer keys find the k-th largest key, and a
-# last pass writes the positions above it (and the first ones equal to it) in position order.
-# With p + 1 <= topk it writes 0..p without reading a logit. The twin returns the same set best
-# first; consumers treat a row as a set.
+# step costs what its context costs, not what the table could hold. As it scores, it adds each key
+# to its row's histogram of the top 12 bits of the logits' order-preserving integer keys (global
+# atomics, spread over all its programs).
 #
-# One program scans a row, so the select's cost grows with the context on one SM: on the H200 it
-# beat torch's sort/topk over the whole table at every context up to a 33k-position table
-# (BENCHMARKS.md, issue 8). Wider tables (longer max_model_len) keep torch.topk over the row,
-# measured before; a select split over several programs per row is the next step.
+# The selection kernel, one program per token, is a radix select over that token's own positions
+# 0..p that starts from the histogram: its top-down sums give the 12-bit bucket that holds the
+# topk-th largest key, then ONE pass over the row writes every key of a higher bucket and collects
+# the positions in the threshold bucket (typically a few hundred) into a scratch list. The
+# remaining 20 bits are resolved over that list alone: three more histogram passes (8, 8, 4 bits),
+# then a last pass takes the keys above the threshold and the first ones equal to it. A bucket too
+# big for the list (massive ties) narrows over the whole row by 8 more bits first. With
+# p + 1 <= topk it writes 0..p without reading a logit. So at long context the one program reads
+# its row once, with no per-key histogram work (which made the previous, row-scanning select cost
+# ~4.4 us per 1k positions a layer on the H200). A row comes out as a set: the keys above the
+# threshold bucket in position order, then the rest; ties go to the earlier position.
 
-# The widest logits row (positions the block table addresses) the radix select takes.
-_RADIX_MAX_POSITIONS = 33 * 1024
+# Bits of the key the logits kernel's histogram resolves; the select's levels below are 8, 8, 4.
+_HIST_BITS = 12
+# Positions a token's threshold bucket may hold to be resolved from the scratch list.
+_CANDIDATES = 4096
 
 # Keys per program. 32 keys x 128 dims of bf16 is 8 KiB a program: enough programs at batch 1
 # and 8k context (256) to cover the H200's 132 SMs twice.
 _INDEXER_BLOCK_S = 32
 # Logits per iteration of the selection kernel's passes.
 _SELECT_BLOCK = 2048
+# Logits per program of the standalone histogram kernel.
+_HIST_BLOCK = 1024
+
+_INT32_MIN = -2147483648
+
+
+@triton.jit
+def _ordered_key(x):
+    """fp32 -> int32 whose unsigned order is x's order (sign bit set for x >= 0, else all bits
+    flipped); `key ^ INT32_MIN` has the same order as a signed int."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, ~bits, bits ^ -2147483648)
+
+
+@triton.jit
+def _add_to_histogram(hist_row, logits, mask, HIST_BITS: tl.constexpr):
+    """hist_row[top HIST_BITS of each logit's key] += 1 where mask."""
+    digit = (_ordered_key(logits) >> (32 - HIST_BITS)) & ((1 << HIST_BITS) - 1)
+    tl.atomic_add(hist_row + digit, mask.to(tl.int32), mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -84,12 +117,14 @@ def _indexer_logits_kernel(
     seq_idx_ptr,
     positions_ptr,
     logits_ptr,
+    hist_ptr,
     q_token_stride,
     q_head_stride,
     weights_token_stride,
     block_tables_row_stride,
     logits_row_stride,
     softmax_scale,
+    topk,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE_TOKENS: tl.constexpr,
@@ -97,6 +132,7 @@ def _indexer_logits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    HIST_BITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -143,6 +179,11 @@ def _indexer_logits_kernel(
     logits = tl.sum(scores * w[:, None], axis=0)  # [BLOCK_S]
     logits = tl.where(causal, logits, float("-inf"))
     tl.store(logits_ptr + token * logits_row_stride + keys, logits)
+    # Rows of at most topk keys are selected without a histogram (and without one when HIST_BITS
+    # is 0: the caller wants the logits alone).
+    if HIST_BITS > 0:
+        if position >= topk:
+            _add_to_histogram(hist_ptr + token * (1 << HIST_BITS), logits, causal, HIST_BITS)
 
 
 def indexer_logits_triton(
@@ -153,9 +194,14 @@ def indexer_logits_triton(
     seq_idx: torch.Tensor,
     positions: torch.Tensor,
     softmax_scale: float,
+    histogram: torch.Tensor | None = None,
+    topk: int = 0,
 ) -> torch.Tensor:
     """fp32 logits [T, padded positions]: row t holds the logits of keys 0..positions[t], then -inf
-    to the end of that key block; entries past it are never written (callers read 0..p only)."""
+    to the end of that key block; entries past it are never written (callers read 0..p only).
+
+    With `histogram` (zeroed int32 [T, 2**_HIST_BITS]), rows with positions[t] >= topk also count
+    their keys into it, as `key_histogram` does, for `topk_select_triton`."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=device)
@@ -170,6 +216,8 @@ def indexer_logits_triton(
         raise ValueError(f"k_cache rows are {k_cache.shape[-1]} wide, q heads {head_dim}")
     if seq_idx.shape[0] != num_tokens or positions.shape[0] != num_tokens:
         raise ValueError("seq_idx and positions need one entry per token")
+    if histogram is not None:
+        _check_histogram(histogram, num_tokens, device)
     block_size_tokens = k_cache.shape[1]
     num_blocks_s = triton.cdiv(block_tables.shape[1] * block_size_tokens, _INDEXER_BLOCK_S)
     logits = torch.empty(
@@ -187,12 +235,14 @@ def indexer_logits_triton(
             seq_idx,
             positions,
             logits,
+            logits if histogram is None else histogram,
             q.stride(0),
             q.stride(1),
             weights.stride(0),
             block_tables.stride(0),
             logits.stride(0),
             softmax_scale,
+            topk,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             BLOCK_SIZE_TOKENS=block_size_tokens,
@@ -200,27 +250,158 @@ def indexer_logits_triton(
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_S=_INDEXER_BLOCK_S,
             UPCAST_DOT=dot_in_fp32(q.dtype),
+            HIST_BITS=0 if histogram is None else _HIST_BITS,
             num_warps=4,
         )
     return logits
 
 
+def _check_histogram(histogram: torch.Tensor, num_tokens: int, device: torch.device) -> None:
+    check_tensor("histogram", histogram, ndim=2, dtypes=(torch.int32,), device=device)
+    if histogram.shape != (num_tokens, 1 << _HIST_BITS) or not histogram.is_contiguous():
+        raise ValueError(
+            f"histogram: contiguous {(num_tokens, 1 << _HIST_BITS)} expected, got "
+            f"{tuple(histogram.shape)}"
+        )
+
+
 @triton.jit
-def _ordered_key(x):
-    """fp32 -> int32 whose unsigned order is x's order (sign bit set for x >= 0, else all bits
-    flipped)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, ~bits, bits ^ -2147483648)
+def _key_histogram_kernel(
+    logits_ptr,
+    positions_ptr,
+    hist_ptr,
+    logits_row_stride,
+    topk,
+    HIST_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    token = tl.program_id(0)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    position = tl.load(positions_ptr + token)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if (tl.program_id(1) * BLOCK <= position) & (position >= topk):
+        valid = idx <= position
+        logits = tl.load(logits_ptr + token.to(tl.int64) * logits_row_stride + idx, mask=valid)
+        _add_to_histogram(hist_ptr + token * (1 << HIST_BITS), logits, valid, HIST_BITS)
+
+
+def key_histogram(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """int32 [T, 2**_HIST_BITS]: per row with positions[t] >= topk, how many of logits[t, 0..p]
+    have each top-_HIST_BITS key; zero rows elsewhere. (The indexer's logits kernel counts the
+    same histogram as it writes the logits.)"""
+    num_tokens, width = logits.shape
+    hist = torch.zeros(num_tokens, 1 << _HIST_BITS, dtype=torch.int32, device=logits.device)
+    if num_tokens > 0:
+        launch(
+            _key_histogram_kernel,
+            (num_tokens, triton.cdiv(width, _HIST_BLOCK)),
+            logits,
+            logits,
+            positions,
+            hist,
+            logits.stride(0),
+            topk,
+            HIST_BITS=_HIST_BITS,
+            BLOCK=_HIST_BLOCK,
+            num_warps=4,
+        )
+    return hist
+
+
+@triton.jit
+def _pick_digit(counts, bins, need):
+    """The bucket holding the need-th largest key of a histogram, how many keys of it are still
+    to be taken (need minus the keys of higher buckets), and its size."""
+    at_or_above = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts  # keys with digit >= d
+    digit = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
+    above = tl.sum(tl.where(bins > digit, counts, 0), 0)
+    size = tl.sum(tl.where(bins == digit, counts, 0), 0)
+    return digit, need - above, size
+
+
+@triton.jit
+def _collect(row, n, cand, out_row, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over keys 0..n-1: those whose bits from SHIFT up beat the prefix's go to out_row
+    (from slot 0), the positions of those equal to it to cand, both in position order. Returns
+    how many went to out_row."""
+    offs = tl.arange(0, BLOCK)
+    high = (prefix ^ -2147483648) >> SHIFT  # signed order: arithmetic shifts keep it
+    written = n * 0
+    num_cand = n * 0
+    for s0 in range(0, n, BLOCK):
+        idx = s0 + offs
+        valid = idx < n
+        key = (_ordered_key(tl.load(row + idx, mask=valid, other=0.0)) ^ -2147483648) >> SHIFT
+        above = valid & (key > high)
+        equal = valid & (key == high)
+        tl.store(out_row + written + tl.cumsum(above.to(tl.int32), 0) - 1, idx, mask=above)
+        tl.store(cand + num_cand + tl.cumsum(equal.to(tl.int32), 0) - 1, idx, mask=equal)
+        written += tl.sum(above.to(tl.int32), 0)
+        num_cand += tl.sum(equal.to(tl.int32), 0)
+    return written
+
+
+@triton.jit
+def _load_source(row, cand, j, src_n, collected):
+    """Entries j of what the select still scans: the candidate list once collected, else the row.
+    Returns their positions, keys and validity."""
+    valid = j < src_n
+    idx = tl.load(cand + j, mask=j < tl.where(collected, src_n, 0), other=0)
+    idx = tl.where(collected, idx, j)
+    return idx, _ordered_key(tl.load(row + idx, mask=valid, other=0.0)), valid
+
+
+@triton.jit
+def _refine(
+    row,
+    cand,
+    out_row,
+    n,
+    prefix,
+    remaining,
+    collected,
+    num_cand,
+    written,
+    CAPACITY: tl.constexpr,
+    HI: tl.constexpr,
+    LO: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One radix level: bits LO..HI-1 of the keys that share the prefix's bits from HI up give the
+    threshold's next digit. Once at most CAPACITY keys share the prefix's bits from LO up, one
+    pass over the row collects them (and writes every key above them)."""
+    offs = tl.arange(0, BLOCK)
+    src_n = tl.where(collected != 0, num_cand, n)
+    counts = tl.zeros([256], dtype=tl.int32)
+    for s0 in range(0, src_n, BLOCK):
+        idx, key, valid = _load_source(row, cand, s0 + offs, src_n, collected != 0)
+        valid = valid & ((key >> HI) == (prefix >> HI))  # equal high bits <=> equal shifts
+        counts += tl.histogram((key >> LO) & ((1 << (HI - LO)) - 1), 256, mask=valid)
+    digit, remaining, size = _pick_digit(counts, tl.arange(0, 256), remaining)
+    prefix = prefix | (digit << LO)
+    if (collected == 0) & (size <= CAPACITY):
+        written = _collect(row, n, cand, out_row, prefix, LO, BLOCK)
+        num_cand = size
+        collected = n * 0 + 1
+    return prefix, remaining, collected, num_cand, written
 
 
 @triton.jit
 def _topk_select_kernel(
     logits_ptr,
+    hist_ptr,
+    cand_ptr,
     positions_ptr,
     out_ptr,
     logits_row_stride,
     out_row_stride,
     topk,
+    CAPACITY: tl.constexpr,
+    HIST_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -231,6 +412,7 @@ def _topk_select_kernel(
     n = tl.load(positions_ptr + token).to(tl.int32) + 1  # keys 0..n-1 are candidates
     row = logits_ptr + token.to(tl.int64) * logits_row_stride
     out_row = out_ptr + token.to(tl.int64) * out_row_stride
+    cand = cand_ptr + token.to(tl.int64) * CAPACITY
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if n <= topk:
@@ -238,62 +420,80 @@ def _topk_select_kernel(
             j = j0 + offs
             tl.store(out_row + j, tl.where(j < n, j, -1), mask=j < topk)
     else:
-        # Radix select of the topk-th largest key, 8 bits a pass from the top. `prefix` holds the
-        # bits fixed so far (as unsigned bits in an int32); `remaining` how many of the keys that
-        # share them are still to be taken.
-        bins = tl.arange(0, 256)
-        prefix = n * 0
-        remaining = n * 0 + topk
-        for p in tl.static_range(4):
-            counts = tl.zeros([256], dtype=tl.int32)
-            for s0 in range(0, n, BLOCK):
-                idx = s0 + offs
-                valid = idx < n
-                key = _ordered_key(tl.load(row + idx, mask=valid, other=0.0))
-                if p > 0:  # arithmetic shifts on both sides: equal high bits <=> equal shifts
-                    valid = valid & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-                counts += tl.histogram((key >> (24 - 8 * p)) & 255, 256, mask=valid)
-            at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # keys with digit >= d
-            digit = tl.max(tl.where(at_or_above >= remaining, bins, -1), 0)
-            remaining -= tl.sum(tl.where(bins > digit, counts, 0))
-            prefix = prefix | (digit << (24 - 8 * p))
-        # Take every key above the threshold and the first `remaining` equal to it.
-        threshold = prefix ^ -2147483648  # back to signed order for the comparisons
+        # `prefix` holds the threshold's bits fixed so far (unsigned bits in an int32),
+        # `remaining` how many keys that share them are still to be taken.
+        bins = tl.arange(0, 1 << HIST_BITS)
+        hist = tl.load(hist_ptr + token.to(tl.int64) * (1 << HIST_BITS) + bins)
+        digit, remaining, size = _pick_digit(hist, bins, topk)
+        prefix = digit << (32 - HIST_BITS)
+        collected = (size <= CAPACITY).to(tl.int32)  # 0/1: whether `cand` holds the source
         written = n * 0
+        if collected != 0:
+            written = _collect(row, n, cand, out_row, prefix, 32 - HIST_BITS, BLOCK)
+        num_cand = size
+        # The 20 bits below the histogram's (HIST_BITS is 12): 8, 8, then 4.
+        prefix, remaining, collected, num_cand, written = _refine(
+            row, cand, out_row, n, prefix, remaining, collected, num_cand, written,
+            CAPACITY, 20, 12, BLOCK,
+        )  # fmt: skip
+        prefix, remaining, collected, num_cand, written = _refine(
+            row, cand, out_row, n, prefix, remaining, collected, num_cand, written,
+            CAPACITY, 12, 4, BLOCK,
+        )  # fmt: skip
+        prefix, remaining, collected, num_cand, written = _refine(
+            row, cand, out_row, n, prefix, remaining, collected, num_cand, written,
+            CAPACITY, 4, 0, BLOCK,
+        )  # fmt: skip
+        # `prefix` is the threshold key: take the keys left above it and the first `remaining`
+        # equal to it (the source is in position order).
+        threshold = prefix ^ -2147483648  # signed order for the comparisons
+        src_n = tl.where(collected != 0, num_cand, n)
         ties = n * 0
-        for s0 in range(0, n, BLOCK):
-            idx = s0 + offs
-            valid = idx < n
-            key = _ordered_key(tl.load(row + idx, mask=valid, other=0.0)) ^ -2147483648
+        for s0 in range(0, src_n, BLOCK):
+            idx, key, valid = _load_source(row, cand, s0 + offs, src_n, collected != 0)
+            key = key ^ -2147483648
             equal = valid & (key == threshold)
             tie_rank = ties + tl.cumsum(equal.to(tl.int32), 0) - 1
             take = (valid & (key > threshold)) | (equal & (tie_rank < remaining))
-            slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(out_row + slot, idx, mask=take)
-            written += tl.sum(take.to(tl.int32))
-            ties += tl.sum(equal.to(tl.int32))
+            tl.store(out_row + written + tl.cumsum(take.to(tl.int32), 0) - 1, idx, mask=take)
+            written += tl.sum(take.to(tl.int32), 0)
+            ties += tl.sum(equal.to(tl.int32), 0)
 
 
-def topk_select_triton(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+def topk_select_triton(
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    histogram: torch.Tensor | None = None,
+) -> torch.Tensor:
     """int32 [T, topk]: the positions of the min(topk, p + 1) largest of logits[t, 0..p]
-    (p = positions[t]; ties go to the earlier position) in position order, then -1."""
+    (p = positions[t]; ties go to the earlier position), as a set (see above), then -1.
+    `histogram` is `key_histogram(logits, positions, topk)` where the caller already has it."""
     check_tensor("logits", logits, ndim=2, dtypes=(torch.float32,))
     check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=logits.device)
     num_tokens = logits.shape[0]
     if positions.shape[0] != num_tokens:
         raise ValueError(f"{positions.shape[0]} positions for {num_tokens} logits rows")
+    if histogram is None:
+        histogram = key_histogram(logits, positions, topk)
+    _check_histogram(histogram, num_tokens, logits.device)
     out = torch.empty(num_tokens, topk, dtype=torch.int32, device=logits.device)
+    candidates = torch.empty(num_tokens, _CANDIDATES, dtype=torch.int32, device=logits.device)
     if num_tokens > 0:
         launch(
             _topk_select_kernel,
             (num_tokens,),
             logits,
             logits,
+            histogram,
+            candidates,
             positions,
             out,
             logits.stride(0),
             out.stride(0),
             topk,
+            CAPACITY=_CANDIDATES,
+            HIST_BITS=_HIST_BITS,
             BLOCK=_SELECT_BLOCK,
             num_warps=8,
         )
@@ -310,18 +510,9 @@ def indexer_topk_triton(
     topk: int,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Triton twin of `indexer_topk_reference`: the same set per row (in position order from the
-    radix select, best first from torch.topk on wider tables)."""
+    """Triton twin of `indexer_topk_reference`: the same set per row (see the select's order)."""
+    histogram = torch.zeros(q.shape[0], 1 << _HIST_BITS, dtype=torch.int32, device=q.device)
     logits = indexer_logits_triton(
-        q, weights, k_cache, block_tables, seq_idx, positions, softmax_scale
+        q, weights, k_cache, block_tables, seq_idx, positions, softmax_scale, histogram, topk
     )
-    num_tokens, width = logits.shape
-    if width <= _RADIX_MAX_POSITIONS:
-        return topk_select_triton(logits, positions, topk)
-    # Entries past each token's key block were never written: -inf before torch reads the row.
-    past = torch.arange(width, device=logits.device)[None, :] > positions[:, None]
-    k = min(topk, width)
-    idx = logits.masked_fill_(past, float("-inf")).topk(k, dim=-1).indices.to(torch.int32)
-    rank = torch.arange(k, device=logits.device)
-    idx = idx.masked_fill_(rank[None, :] > positions[:, None], -1)
-    return torch.nn.functional.pad(idx, (0, topk - k), value=-1) if k < topk else idx
+    return topk_select_triton(logits, positions, topk, histogram)

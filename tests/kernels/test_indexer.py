@@ -8,6 +8,7 @@ from kernels.indexer import (
     indexer_logits_triton,
     indexer_topk_reference,
     indexer_topk_triton,
+    key_histogram,
     topk_select_triton,
 )
 from tests.kernels.conftest import DEVICE, DTYPES, needs_triton, overlap
@@ -73,10 +74,28 @@ def _select_oracle(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> 
     return out
 
 
+def _as_sets(rows: torch.Tensor) -> torch.Tensor:
+    """Rows as sets: each one's valid positions ascending, then its -1s."""
+    last = torch.iinfo(torch.int32).max
+    ordered = torch.where(rows < 0, last, rows).sort(dim=-1).values
+    return torch.where(ordered == last, -1, ordered)
+
+
+def _ordered_keys(logits: torch.Tensor) -> torch.Tensor:
+    """The kernels' order-preserving integer keys, as int64 in 0..2**32-1."""
+    bits = logits.view(torch.int32).long()
+    return torch.where(bits < 0, ~bits & 0xFFFFFFFF, bits + 2**31)
+
+
+@pytest.mark.parametrize("capacity", [None, 40, 0])
 @pytest.mark.parametrize("quantize", [False, True])
-def test_topk_select_is_exact(quantize: bool) -> None:
+def test_topk_select_is_exact(monkeypatch, quantize: bool, capacity: int | None) -> None:
     """The radix select against sorting, across block boundaries (5000 > 2 x 2048 logits), with
-    rows shorter than topk, negative and zero logits, and (quantized) many exact ties."""
+    rows shorter than topk, negative and zero logits, and (quantized) many exact ties. A smaller
+    candidate list makes big threshold buckets narrow over the whole row first; with none the
+    select never leaves the row."""
+    if capacity is not None:
+        monkeypatch.setattr(indexer_module, "_CANDIDATES", capacity)
     torch.manual_seed(quantize)
     topk = 300
     positions = torch.tensor([4999, 0, 299, 300, 2047, 3000], dtype=torch.int32)
@@ -86,7 +105,39 @@ def test_topk_select_is_exact(quantize: bool) -> None:
     logits[:, 7] = -0.0
     logits[:, 8] = 0.0
     got = topk_select_triton(logits.to(DEVICE), positions.to(DEVICE), topk).cpu()
-    assert torch.equal(got, _select_oracle(logits, positions, topk))
+    assert torch.equal(_as_sets(got), _select_oracle(logits, positions, topk))
+
+
+def test_topk_select_within_one_bucket() -> None:
+    """Keys that share their top 12 bits (one histogram bucket, 1 <= x < 1.0005): the lower bits
+    decide, over the candidate list."""
+    torch.manual_seed(3)
+    positions = torch.tensor([2999, 1500], dtype=torch.int32)
+    logits = 1 + torch.rand(2, 3072) * 5e-4
+    got = topk_select_triton(logits.to(DEVICE), positions.to(DEVICE), 1000).cpu()
+    assert torch.equal(_as_sets(got), _select_oracle(logits, positions, 1000))
+
+
+def test_key_histogram_counts_top_bits() -> None:
+    positions = torch.tensor([2500, 99, 100, 0], dtype=torch.int32)
+    logits = torch.randn(4, 3000) * torch.tensor([[1.0], [1e-3], [1e3], [1.0]])
+    hist = key_histogram(logits.to(DEVICE), positions.to(DEVICE), 100).cpu()
+    for t, p in enumerate(positions.tolist()):
+        want = torch.zeros(4096, dtype=torch.int32)
+        if p >= 100:  # rows of at most topk keys are selected without one
+            want += torch.bincount(_ordered_keys(logits[t, : p + 1]) >> 20, minlength=4096)
+        assert torch.equal(hist[t], want), t
+
+
+def test_indexer_logits_count_the_histogram() -> None:
+    """The logits kernel's fused histogram is key_histogram of the logits it wrote."""
+    q, weights, k_cache, block_tables, seq_idx, positions = _problem(torch.float32, 3, 37)
+    hist = torch.zeros(q.shape[0], 4096, dtype=torch.int32, device=DEVICE)
+    logits = indexer_logits_triton(
+        q, weights, k_cache, block_tables, seq_idx, positions, 0.1, hist, 64
+    )
+    assert hist.sum() > 0
+    assert torch.equal(hist, key_histogram(logits, positions, 64))
 
 
 def test_topk_select_ignores_logits_past_the_position() -> None:
@@ -98,18 +149,4 @@ def test_topk_select_ignores_logits_past_the_position() -> None:
     poisoned[1, 11:] = float("nan")
     want = _select_oracle(logits, positions, 64)
     got = topk_select_triton(poisoned.to(DEVICE), positions.to(DEVICE), 64).cpu()
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("topk", [7, 300])
-def test_indexer_topk_on_wide_tables_uses_torch_topk(monkeypatch, topk: int) -> None:
-    """Past _RADIX_MAX_POSITIONS the selection is torch.topk over the row, with the unwritten
-    logits past each token's key block masked first: the same sets as the twin."""
-    monkeypatch.setattr(indexer_module, "_RADIX_MAX_POSITIONS", 64)  # the 192-position table
-    monkeypatch.setattr(indexer_module, "topk_select_triton", None)  # must not be reached
-    args = _problem(torch.float32, 3, 37, seed=topk)
-    expected = indexer_topk_reference(*args[:6], topk, 37**-0.5)
-    actual = indexer_topk_triton(*args[:6], topk, 37**-0.5)
-    assert actual.dtype == torch.int32 and actual.shape == expected.shape
-    assert torch.equal(actual < 0, expected < 0)
-    assert overlap(actual, expected).min() >= 0.99
+    assert torch.equal(_as_sets(got), want)

@@ -27,7 +27,12 @@ from kernels.cache_write import (
     mla_kv_cache_write_reference,
     mla_kv_cache_write_triton,
 )
-from kernels.indexer import indexer_topk_reference, indexer_topk_triton
+from kernels.indexer import (
+    indexer_topk_reference,
+    indexer_topk_triton,
+    topk_select_reference,
+    topk_select_triton,
+)
 from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
 from kernels.moe_experts import grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
@@ -51,6 +56,7 @@ ALL_KERNELS = {
     "_indexer_k_cache_write_kernel",
     "_indexer_logits_kernel",
     "_topk_select_kernel",
+    "_key_histogram_kernel",
     "_sparse_mla_split_kernel",
     "_sparse_mla_merge_kernel",
     "_moe_route_kernel",
@@ -131,6 +137,12 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
                 4,
                 0.25,
             ),
+        ),
+        (  # standalone, the select counts its own histogram
+            "topk_select",
+            topk_select_triton,
+            topk_select_reference,
+            (torch.randn(3, 130), positions, 4),
         ),
         (
             "sparse_mla_attention",
@@ -235,7 +247,7 @@ def test_no_pdl_launch_where_the_gate_is_off(fake_platform, launches, make_platf
             actual if isinstance(actual, tuple) else (actual,),
             expected if isinstance(expected, tuple) else (expected,),
         ):
-            if name in ("moe_route", "indexer_topk"):  # unordered top-k: compare as sets
+            if name in ("moe_route", "indexer_topk", "topk_select"):  # top-k: compare as sets
                 got, want = got.sort(-1).values, want.sort(-1).values
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=name)
     assert {name for name, _ in launches} == ALL_KERNELS
