@@ -58,24 +58,24 @@ def topk_select_reference(logits: torch.Tensor, positions: torch.Tensor, topk: i
 
 # --- Triton ---------------------------------------------------------------------------------------
 #
-# Two kernels. The logits kernel scores every key up to each token's position over the paged
-# cache; its buffer spans every position the block table can address (no host sync, so CUDA-graph
-# capturable), but programs whose keys all lie past the token's position exit at once, so a decode
-# step costs what its context costs, not what the table could hold. As it scores, it adds each key
-# to its row's histogram of the top 12 bits of the logits' order-preserving integer keys (global
-# atomics, spread over all its programs).
+# The logits kernel scores every key up to each token's position over the paged cache; its buffer
+# spans every position the block table can address (no host sync, so CUDA-graph capturable), but
+# programs whose keys all lie past the token's position exit at once, so a decode step costs what
+# its context costs, not what the table could hold. As it scores, it adds each key to its row's
+# histogram of the top 12 bits of the logits' order-preserving integer keys (global atomics,
+# spread over all its programs).
 #
-# The selection kernel, one program per token, is a radix select over that token's own positions
-# 0..p that starts from the histogram: its top-down sums give the 12-bit bucket that holds the
-# topk-th largest key, then ONE pass over the row writes every key of a higher bucket and collects
-# the positions in the threshold bucket (typically a few hundred) into a scratch list. The
-# remaining 20 bits are resolved over that list alone: three more histogram passes (8, 8, 4 bits),
-# then a last pass takes the keys above the threshold and the first ones equal to it. A bucket too
-# big for the list (massive ties) narrows over the whole row by 8 more bits first. With
-# p + 1 <= topk it writes 0..p without reading a logit. So at long context the one program reads
-# its row once, with no per-key histogram work (which made the previous, row-scanning select cost
-# ~4.4 us per 1k positions a layer on the H200). A row comes out as a set: the keys above the
-# threshold bucket in position order, then the rest; ties go to the earlier position.
+# The select is a radix select over each token's own positions 0..p that starts from that
+# histogram, whose top-down sums give the 12-bit bucket holding the topk-th largest key. Three
+# kernels, the first two with one program per 2048-position chunk of a row, so a long row is
+# spread over the GPU: the first counts its chunk's keys above the bucket and in it; the second
+# writes the positions above the bucket to the output and lists those in it, each chunk after
+# the chunks before it (rows stay in position order whatever order programs run in). The third,
+# one program per token, resolves the bucket's remaining 20 bits over the list alone (8, 8, then
+# 4 bits), then takes the keys above the threshold and the first ones equal to it. A bucket too
+# big for the list (massive ties) is resolved over the whole row instead. With p + 1 <= topk it
+# writes 0..p and reads no logit. A row comes out as a set: the keys above the threshold bucket in
+# position order, then the rest in position order; ties go to the earlier position.
 
 # Bits of the key the logits kernel's histogram resolves; the select's levels below are 8, 8, 4.
 _HIST_BITS = 12
@@ -85,12 +85,10 @@ _CANDIDATES = 4096
 # Keys per program. 32 keys x 128 dims of bf16 is 8 KiB a program: enough programs at batch 1
 # and 8k context (256) to cover the H200's 132 SMs twice.
 _INDEXER_BLOCK_S = 32
-# Logits per iteration of the selection kernel's passes.
+# Positions per program of the chunked select kernels, and per iteration of the last one.
 _SELECT_BLOCK = 2048
 # Logits per program of the standalone histogram kernel.
 _HIST_BLOCK = 1024
-
-_INT32_MIN = -2147483648
 
 
 @triton.jit
@@ -324,34 +322,91 @@ def _pick_digit(counts, bins, need):
 
 
 @triton.jit
-def _collect(row, n, cand, out_row, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """One pass over keys 0..n-1: those whose bits from SHIFT up beat the prefix's go to out_row
-    (from slot 0), the positions of those equal to it to cand, both in position order. Returns
-    how many went to out_row."""
-    offs = tl.arange(0, BLOCK)
-    high = (prefix ^ -2147483648) >> SHIFT  # signed order: arithmetic shifts keep it
-    written = n * 0
-    num_cand = n * 0
-    for s0 in range(0, n, BLOCK):
-        idx = s0 + offs
-        valid = idx < n
-        key = (_ordered_key(tl.load(row + idx, mask=valid, other=0.0)) ^ -2147483648) >> SHIFT
-        above = valid & (key > high)
-        equal = valid & (key == high)
-        tl.store(out_row + written + tl.cumsum(above.to(tl.int32), 0) - 1, idx, mask=above)
-        tl.store(cand + num_cand + tl.cumsum(equal.to(tl.int32), 0) - 1, idx, mask=equal)
-        written += tl.sum(above.to(tl.int32), 0)
-        num_cand += tl.sum(equal.to(tl.int32), 0)
-    return written
+def _chunk_buckets(hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, HIST_BITS, CHUNK):
+    """For this program's chunk of its token's row: its positions, which of them lie above the
+    threshold bucket, and which in it (all False where the row needs no select)."""
+    token = tl.program_id(0)
+    idx = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    n = tl.load(positions_ptr + token).to(tl.int32) + 1
+    valid = idx < tl.where(n > topk, n, 0)
+    bins = tl.arange(0, 1 << HIST_BITS)
+    hist = tl.load(hist_ptr + token.to(tl.int64) * (1 << HIST_BITS) + bins)
+    digit, _, _ = _pick_digit(hist, bins, topk)
+    row = logits_ptr + token.to(tl.int64) * logits_row_stride
+    logits = tl.load(row + idx, mask=valid, other=0.0)
+    bucket = (_ordered_key(logits) >> (32 - HIST_BITS)) & ((1 << HIST_BITS) - 1)
+    return idx, valid & (bucket > digit), valid & (bucket == digit)
 
 
 @triton.jit
-def _load_source(row, cand, j, src_n, collected):
-    """Entries j of what the select still scans: the candidate list once collected, else the row.
+def _bucket_count_kernel(
+    hist_ptr,
+    logits_ptr,
+    positions_ptr,
+    counts_ptr,
+    logits_row_stride,
+    topk,
+    HIST_BITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    _, above, inside = _chunk_buckets(
+        hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, HIST_BITS, CHUNK
+    )
+    counts = counts_ptr + (tl.program_id(0) * MAX_CHUNKS + tl.program_id(1)) * 2
+    tl.store(counts, tl.sum(above.to(tl.int32), 0))
+    tl.store(counts + 1, tl.sum(inside.to(tl.int32), 0))
+
+
+@triton.jit
+def _bucket_write_kernel(
+    hist_ptr,
+    logits_ptr,
+    positions_ptr,
+    counts_ptr,
+    out_ptr,
+    cand_ptr,
+    logits_row_stride,
+    out_row_stride,
+    topk,
+    HIST_BITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
+    CAPACITY: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    token = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    idx, above, inside = _chunk_buckets(
+        hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, HIST_BITS, CHUNK
+    )
+    # Where this chunk's keys go: after those of the chunks before it, so rows are in position
+    # order whatever order the programs run in.
+    chunks = tl.arange(0, MAX_CHUNKS)
+    counts = counts_ptr + (token * MAX_CHUNKS + chunks) * 2
+    before = chunks < chunk
+    above_at = tl.sum(tl.load(counts, mask=before, other=0), 0)
+    inside_at = tl.sum(tl.load(counts + 1, mask=before, other=0), 0)
+    slot = above_at + tl.cumsum(above.to(tl.int32), 0) - 1
+    tl.store(out_ptr + token.to(tl.int64) * out_row_stride + slot, idx, mask=above)
+    slot = inside_at + tl.cumsum(inside.to(tl.int32), 0) - 1
+    tl.store(cand_ptr + token.to(tl.int64) * CAPACITY + slot, idx, mask=inside & (slot < CAPACITY))
+
+
+@triton.jit
+def _load_source(row, cand, j, src_n, listed):
+    """Entries j of what the select scans: the candidate list when `listed`, else the row.
     Returns their positions, keys and validity."""
     valid = j < src_n
-    idx = tl.load(cand + j, mask=j < tl.where(collected, src_n, 0), other=0)
-    idx = tl.where(collected, idx, j)
+    idx = tl.load(cand + j, mask=j < tl.where(listed, src_n, 0), other=0)
+    idx = tl.where(listed, idx, j)
     return idx, _ordered_key(tl.load(row + idx, mask=valid, other=0.0)), valid
 
 
@@ -359,35 +414,24 @@ def _load_source(row, cand, j, src_n, collected):
 def _refine(
     row,
     cand,
-    out_row,
-    n,
     prefix,
     remaining,
-    collected,
-    num_cand,
-    written,
-    CAPACITY: tl.constexpr,
+    src_n,
+    listed,
     HI: tl.constexpr,
     LO: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One radix level: bits LO..HI-1 of the keys that share the prefix's bits from HI up give the
-    threshold's next digit. Once at most CAPACITY keys share the prefix's bits from LO up, one
-    pass over the row collects them (and writes every key above them)."""
+    threshold's next digit."""
     offs = tl.arange(0, BLOCK)
-    src_n = tl.where(collected != 0, num_cand, n)
     counts = tl.zeros([256], dtype=tl.int32)
     for s0 in range(0, src_n, BLOCK):
-        idx, key, valid = _load_source(row, cand, s0 + offs, src_n, collected != 0)
+        _, key, valid = _load_source(row, cand, s0 + offs, src_n, listed)
         valid = valid & ((key >> HI) == (prefix >> HI))  # equal high bits <=> equal shifts
         counts += tl.histogram((key >> LO) & ((1 << (HI - LO)) - 1), 256, mask=valid)
-    digit, remaining, size = _pick_digit(counts, tl.arange(0, 256), remaining)
-    prefix = prefix | (digit << LO)
-    if (collected == 0) & (size <= CAPACITY):
-        written = _collect(row, n, cand, out_row, prefix, LO, BLOCK)
-        num_cand = size
-        collected = n * 0 + 1
-    return prefix, remaining, collected, num_cand, written
+    digit, remaining, _ = _pick_digit(counts, tl.arange(0, 256), remaining)
+    return prefix | (digit << LO), remaining
 
 
 @triton.jit
@@ -420,37 +464,28 @@ def _topk_select_kernel(
             j = j0 + offs
             tl.store(out_row + j, tl.where(j < n, j, -1), mask=j < topk)
     else:
+        # The keys above the threshold bucket are written (slots 0..written-1) and the bucket's
+        # positions listed in cand, when they fit; else the levels below scan the whole row.
         # `prefix` holds the threshold's bits fixed so far (unsigned bits in an int32),
         # `remaining` how many keys that share them are still to be taken.
         bins = tl.arange(0, 1 << HIST_BITS)
         hist = tl.load(hist_ptr + token.to(tl.int64) * (1 << HIST_BITS) + bins)
         digit, remaining, size = _pick_digit(hist, bins, topk)
+        written = topk - remaining
         prefix = digit << (32 - HIST_BITS)
-        collected = (size <= CAPACITY).to(tl.int32)  # 0/1: whether `cand` holds the source
-        written = n * 0
-        if collected != 0:
-            written = _collect(row, n, cand, out_row, prefix, 32 - HIST_BITS, BLOCK)
-        num_cand = size
+        listed = size <= CAPACITY
+        src_n = tl.where(listed, size, n)
         # The 20 bits below the histogram's (HIST_BITS is 12): 8, 8, then 4.
-        prefix, remaining, collected, num_cand, written = _refine(
-            row, cand, out_row, n, prefix, remaining, collected, num_cand, written,
-            CAPACITY, 20, 12, BLOCK,
-        )  # fmt: skip
-        prefix, remaining, collected, num_cand, written = _refine(
-            row, cand, out_row, n, prefix, remaining, collected, num_cand, written,
-            CAPACITY, 12, 4, BLOCK,
-        )  # fmt: skip
-        prefix, remaining, collected, num_cand, written = _refine(
-            row, cand, out_row, n, prefix, remaining, collected, num_cand, written,
-            CAPACITY, 4, 0, BLOCK,
-        )  # fmt: skip
-        # `prefix` is the threshold key: take the keys left above it and the first `remaining`
-        # equal to it (the source is in position order).
+        prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 20, 12, BLOCK)
+        prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 12, 4, BLOCK)
+        prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 4, 0, BLOCK)
+        # `prefix` is the threshold key: take the bucket's keys above it and the first
+        # `remaining` equal to it (the source is in position order).
         threshold = prefix ^ -2147483648  # signed order for the comparisons
-        src_n = tl.where(collected != 0, num_cand, n)
         ties = n * 0
         for s0 in range(0, src_n, BLOCK):
-            idx, key, valid = _load_source(row, cand, s0 + offs, src_n, collected != 0)
+            idx, key, valid = _load_source(row, cand, s0 + offs, src_n, listed)
+            valid = valid & ((key >> (32 - HIST_BITS)) == (prefix >> (32 - HIST_BITS)))
             key = key ^ -2147483648
             equal = valid & (key == threshold)
             tie_rank = ties + tl.cumsum(equal.to(tl.int32), 0) - 1
@@ -471,32 +506,67 @@ def topk_select_triton(
     `histogram` is `key_histogram(logits, positions, topk)` where the caller already has it."""
     check_tensor("logits", logits, ndim=2, dtypes=(torch.float32,))
     check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=logits.device)
-    num_tokens = logits.shape[0]
+    num_tokens, width = logits.shape
     if positions.shape[0] != num_tokens:
         raise ValueError(f"{positions.shape[0]} positions for {num_tokens} logits rows")
     if histogram is None:
         histogram = key_histogram(logits, positions, topk)
     _check_histogram(histogram, num_tokens, logits.device)
-    out = torch.empty(num_tokens, topk, dtype=torch.int32, device=logits.device)
-    candidates = torch.empty(num_tokens, _CANDIDATES, dtype=torch.int32, device=logits.device)
-    if num_tokens > 0:
-        launch(
-            _topk_select_kernel,
-            (num_tokens,),
-            logits,
-            logits,
-            histogram,
-            candidates,
-            positions,
-            out,
-            logits.stride(0),
-            out.stride(0),
-            topk,
-            CAPACITY=_CANDIDATES,
-            HIST_BITS=_HIST_BITS,
-            BLOCK=_SELECT_BLOCK,
-            num_warps=8,
-        )
+    device = logits.device
+    out = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return out
+    candidates = torch.empty(num_tokens, _CANDIDATES, dtype=torch.int32, device=device)
+    num_chunks = triton.cdiv(width, _SELECT_BLOCK)
+    max_chunks = triton.next_power_of_2(num_chunks)
+    counts = torch.empty(num_tokens, max_chunks, 2, dtype=torch.int32, device=device)
+    grid = (num_tokens, num_chunks)
+    common = dict(HIST_BITS=_HIST_BITS, CHUNK=_SELECT_BLOCK, MAX_CHUNKS=max_chunks, num_warps=8)
+    launch(
+        _bucket_count_kernel,
+        grid,
+        logits,
+        histogram,
+        logits,
+        positions,
+        counts,
+        logits.stride(0),
+        topk,
+        **common,
+    )
+    launch(
+        _bucket_write_kernel,
+        grid,
+        logits,
+        histogram,
+        logits,
+        positions,
+        counts,
+        out,
+        candidates,
+        logits.stride(0),
+        out.stride(0),
+        topk,
+        CAPACITY=_CANDIDATES,
+        **common,
+    )
+    launch(
+        _topk_select_kernel,
+        (num_tokens,),
+        logits,
+        logits,
+        histogram,
+        candidates,
+        positions,
+        out,
+        logits.stride(0),
+        out.stride(0),
+        topk,
+        CAPACITY=_CANDIDATES,
+        HIST_BITS=_HIST_BITS,
+        BLOCK=_SELECT_BLOCK,
+        num_warps=8,
+    )
     return out
 
 

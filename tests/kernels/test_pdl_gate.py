@@ -57,6 +57,8 @@ ALL_KERNELS = {
     "_indexer_logits_kernel",
     "_topk_select_kernel",
     "_key_histogram_kernel",
+    "_bucket_count_kernel",
+    "_bucket_write_kernel",
     "_sparse_mla_split_kernel",
     "_sparse_mla_merge_kernel",
     "_moe_route_kernel",
