@@ -77,10 +77,15 @@ def topk_select_reference(logits: torch.Tensor, positions: torch.Tensor, topk: i
 # writes 0..p and reads no logit. A row comes out as a set: the keys above the threshold bucket in
 # position order, then the rest in position order; ties go to the earlier position.
 
-# Bits of the key the logits kernel's histogram resolves; the select's levels below are 8, 8, 4.
-_HIST_BITS = 12
-# Positions a token's threshold bucket may hold to be resolved from the scratch list.
-_CANDIDATES = 4096
+# The select's histograms, one row per token: 2**12 buckets of the keys' top 12 bits (counted by
+# the logits kernel), then 256 of the threshold bucket's next 8 bits (by the write kernel).
+HIST_BITS = tl.constexpr(12)
+HIST_BINS = tl.constexpr(1 << 12)
+HIST_WIDTH = tl.constexpr((1 << 12) + 256)
+# Positions a token's threshold bucket may hold to be resolved from a list (narrower tables: all).
+# The bucket of the topk-th key is 1/8 of an octave wide: at 128k positions, ~4k keys of the
+# bench's random logits fall in it.
+_CANDIDATES = 16384
 
 # Keys per program. 32 keys x 128 dims of bf16 is 8 KiB a program: enough programs at batch 1
 # and 8k context (256) to cover the H200's 132 SMs twice.
@@ -100,9 +105,9 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _add_to_histogram(hist_row, logits, mask, HIST_BITS: tl.constexpr):
+def _add_to_histogram(hist_row, logits, mask):
     """hist_row[top HIST_BITS of each logit's key] += 1 where mask."""
-    digit = (_ordered_key(logits) >> (32 - HIST_BITS)) & ((1 << HIST_BITS) - 1)
+    digit = (_ordered_key(logits) >> (32 - HIST_BITS)) & (HIST_BINS - 1)
     tl.atomic_add(hist_row + digit, mask.to(tl.int32), mask=mask, sem="relaxed")
 
 
@@ -130,7 +135,7 @@ def _indexer_logits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    HIST_BITS: tl.constexpr,
+    COUNT_HIST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -177,11 +182,10 @@ def _indexer_logits_kernel(
     logits = tl.sum(scores * w[:, None], axis=0)  # [BLOCK_S]
     logits = tl.where(causal, logits, float("-inf"))
     tl.store(logits_ptr + token * logits_row_stride + keys, logits)
-    # Rows of at most topk keys are selected without a histogram (and without one when HIST_BITS
-    # is 0: the caller wants the logits alone).
-    if HIST_BITS > 0:
+    # Rows of at most topk keys are selected without a histogram.
+    if COUNT_HIST:
         if position >= topk:
-            _add_to_histogram(hist_ptr + token * (1 << HIST_BITS), logits, causal, HIST_BITS)
+            _add_to_histogram(hist_ptr + token * HIST_WIDTH, logits, causal)
 
 
 def indexer_logits_triton(
@@ -198,7 +202,7 @@ def indexer_logits_triton(
     """fp32 logits [T, padded positions]: row t holds the logits of keys 0..positions[t], then -inf
     to the end of that key block; entries past it are never written (callers read 0..p only).
 
-    With `histogram` (zeroed int32 [T, 2**_HIST_BITS]), rows with positions[t] >= topk also count
+    With `histogram` (zeroed int32 [T, HIST_WIDTH]), rows with positions[t] >= topk also count
     their keys into it, as `key_histogram` does, for `topk_select_triton`."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
@@ -248,7 +252,7 @@ def indexer_logits_triton(
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_S=_INDEXER_BLOCK_S,
             UPCAST_DOT=dot_in_fp32(q.dtype),
-            HIST_BITS=0 if histogram is None else _HIST_BITS,
+            COUNT_HIST=histogram is not None,
             num_warps=4,
         )
     return logits
@@ -256,9 +260,9 @@ def indexer_logits_triton(
 
 def _check_histogram(histogram: torch.Tensor, num_tokens: int, device: torch.device) -> None:
     check_tensor("histogram", histogram, ndim=2, dtypes=(torch.int32,), device=device)
-    if histogram.shape != (num_tokens, 1 << _HIST_BITS) or not histogram.is_contiguous():
+    if histogram.shape != (num_tokens, HIST_WIDTH.value) or not histogram.is_contiguous():
         raise ValueError(
-            f"histogram: contiguous {(num_tokens, 1 << _HIST_BITS)} expected, got "
+            f"histogram: contiguous {(num_tokens, HIST_WIDTH.value)} expected, got "
             f"{tuple(histogram.shape)}"
         )
 
@@ -270,7 +274,6 @@ def _key_histogram_kernel(
     hist_ptr,
     logits_row_stride,
     topk,
-    HIST_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -284,15 +287,15 @@ def _key_histogram_kernel(
     if (tl.program_id(1) * BLOCK <= position) & (position >= topk):
         valid = idx <= position
         logits = tl.load(logits_ptr + token.to(tl.int64) * logits_row_stride + idx, mask=valid)
-        _add_to_histogram(hist_ptr + token * (1 << HIST_BITS), logits, valid, HIST_BITS)
+        _add_to_histogram(hist_ptr + token * HIST_WIDTH, logits, valid)
 
 
 def key_histogram(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
-    """int32 [T, 2**_HIST_BITS]: per row with positions[t] >= topk, how many of logits[t, 0..p]
-    have each top-_HIST_BITS key; zero rows elsewhere. (The indexer's logits kernel counts the
-    same histogram as it writes the logits.)"""
+    """int32 [T, HIST_WIDTH], zero but for the first level: per row with positions[t] >= topk,
+    how many of logits[t, 0..p] have each top-HIST_BITS key. (The indexer's logits kernel counts
+    the same as it writes the logits.)"""
     num_tokens, width = logits.shape
-    hist = torch.zeros(num_tokens, 1 << _HIST_BITS, dtype=torch.int32, device=logits.device)
+    hist = torch.zeros(num_tokens, HIST_WIDTH.value, dtype=torch.int32, device=logits.device)
     if num_tokens > 0:
         launch(
             _key_histogram_kernel,
@@ -303,7 +306,6 @@ def key_histogram(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> t
             hist,
             logits.stride(0),
             topk,
-            HIST_BITS=_HIST_BITS,
             BLOCK=_HIST_BLOCK,
             num_warps=4,
         )
@@ -322,20 +324,27 @@ def _pick_digit(counts, bins, need):
 
 
 @triton.jit
-def _chunk_buckets(hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, HIST_BITS, CHUNK):
-    """For this program's chunk of its token's row: its positions, which of them lie above the
-    threshold bucket, and which in it (all False where the row needs no select)."""
+def _needs_chunk(positions_ptr, topk, CHUNK: tl.constexpr):
+    """Whether this program's chunk holds keys of a row that needs a select."""
+    n = tl.load(positions_ptr + tl.program_id(0)).to(tl.int32) + 1
+    return (n > topk) & (tl.program_id(1) * CHUNK < n)
+
+
+@triton.jit
+def _chunk_buckets(hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, CHUNK):
+    """For this program's chunk of its token's row: its positions, their keys, which of them lie
+    above the threshold bucket, and which in it."""
     token = tl.program_id(0)
     idx = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    n = tl.load(positions_ptr + token).to(tl.int32) + 1
-    valid = idx < tl.where(n > topk, n, 0)
-    bins = tl.arange(0, 1 << HIST_BITS)
-    hist = tl.load(hist_ptr + token.to(tl.int64) * (1 << HIST_BITS) + bins)
-    digit, _, _ = _pick_digit(hist, bins, topk)
+    valid = idx <= tl.load(positions_ptr + token)
+    bins = tl.arange(0, HIST_BINS)
+    digit, _, _ = _pick_digit(
+        tl.load(hist_ptr + token.to(tl.int64) * HIST_WIDTH + bins), bins, topk
+    )
     row = logits_ptr + token.to(tl.int64) * logits_row_stride
-    logits = tl.load(row + idx, mask=valid, other=0.0)
-    bucket = (_ordered_key(logits) >> (32 - HIST_BITS)) & ((1 << HIST_BITS) - 1)
-    return idx, valid & (bucket > digit), valid & (bucket == digit)
+    key = _ordered_key(tl.load(row + idx, mask=valid, other=0.0))
+    bucket = (key >> (32 - HIST_BITS)) & (HIST_BINS - 1)
+    return idx, key, valid & (bucket > digit), valid & (bucket == digit)
 
 
 @triton.jit
@@ -346,7 +355,6 @@ def _bucket_count_kernel(
     counts_ptr,
     logits_row_stride,
     topk,
-    HIST_BITS: tl.constexpr,
     CHUNK: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -354,12 +362,13 @@ def _bucket_count_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    _, above, inside = _chunk_buckets(
-        hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, HIST_BITS, CHUNK
-    )
-    counts = counts_ptr + (tl.program_id(0) * MAX_CHUNKS + tl.program_id(1)) * 2
-    tl.store(counts, tl.sum(above.to(tl.int32), 0))
-    tl.store(counts + 1, tl.sum(inside.to(tl.int32), 0))
+    if _needs_chunk(positions_ptr, topk, CHUNK):
+        _, _, above, inside = _chunk_buckets(
+            hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, CHUNK
+        )
+        counts = counts_ptr + (tl.program_id(0) * MAX_CHUNKS + tl.program_id(1)) * 2
+        tl.store(counts, tl.sum(above.to(tl.int32), 0))
+        tl.store(counts + 1, tl.sum(inside.to(tl.int32), 0))
 
 
 @triton.jit
@@ -373,7 +382,6 @@ def _bucket_write_kernel(
     logits_row_stride,
     out_row_stride,
     topk,
-    HIST_BITS: tl.constexpr,
     CHUNK: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
     CAPACITY: tl.constexpr,
@@ -384,20 +392,50 @@ def _bucket_write_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    idx, above, inside = _chunk_buckets(
-        hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, HIST_BITS, CHUNK
-    )
-    # Where this chunk's keys go: after those of the chunks before it, so rows are in position
-    # order whatever order the programs run in.
-    chunks = tl.arange(0, MAX_CHUNKS)
-    counts = counts_ptr + (token * MAX_CHUNKS + chunks) * 2
-    before = chunks < chunk
-    above_at = tl.sum(tl.load(counts, mask=before, other=0), 0)
-    inside_at = tl.sum(tl.load(counts + 1, mask=before, other=0), 0)
-    slot = above_at + tl.cumsum(above.to(tl.int32), 0) - 1
-    tl.store(out_ptr + token.to(tl.int64) * out_row_stride + slot, idx, mask=above)
-    slot = inside_at + tl.cumsum(inside.to(tl.int32), 0) - 1
-    tl.store(cand_ptr + token.to(tl.int64) * CAPACITY + slot, idx, mask=inside & (slot < CAPACITY))
+    if _needs_chunk(positions_ptr, topk, CHUNK):
+        idx, key, above, inside = _chunk_buckets(
+            hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, CHUNK
+        )
+        # Where this chunk's keys go: after those of the chunks before it, so rows are in
+        # position order whatever order the programs run in.
+        chunks = tl.arange(0, MAX_CHUNKS)
+        counts = counts_ptr + (token * MAX_CHUNKS + chunks) * 2
+        before = chunks < chunk
+        above_at = tl.sum(tl.load(counts, mask=before, other=0), 0)
+        inside_at = tl.sum(tl.load(counts + 1, mask=before, other=0), 0)
+        slot = above_at + tl.cumsum(above.to(tl.int32), 0) - 1
+        tl.store(out_ptr + token.to(tl.int64) * out_row_stride + slot, idx, mask=above)
+        slot = inside_at + tl.cumsum(inside.to(tl.int32), 0) - 1
+        inside_listed = inside & (slot < CAPACITY)
+        tl.store(cand_ptr + token.to(tl.int64) * CAPACITY + slot, idx, mask=inside_listed)
+        # The bucket's next 8 bits, the select's second level.
+        sub = (key >> (24 - HIST_BITS)) & 255
+        hist2 = hist_ptr + token.to(tl.int64) * HIST_WIDTH + HIST_BINS
+        tl.atomic_add(hist2 + sub, inside.to(tl.int32), mask=inside, sem="relaxed")
+
+
+@triton.jit
+def _narrow_list(
+    row, cand, num, out_row, written, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One pass over the list cand[0..num) (keys of one bucket): keys whose bits from SHIFT up beat
+    the prefix's go to out_row after `written`, the positions of those equal to it to the front
+    of the list, in order. Returns the new `written` and how many stay listed."""
+    offs = tl.arange(0, BLOCK)
+    high = (prefix ^ -2147483648) >> SHIFT  # signed order: arithmetic shifts keep it
+    kept = num * 0
+    for s0 in range(0, num, BLOCK):
+        valid = s0 + offs < num
+        idx = tl.load(cand + s0 + offs, mask=valid, other=0)
+        key = (_ordered_key(tl.load(row + idx, mask=valid, other=0.0)) ^ -2147483648) >> SHIFT
+        above = valid & (key > high)
+        equal = valid & (key == high)
+        tl.store(out_row + written + tl.cumsum(above.to(tl.int32), 0) - 1, idx, mask=above)
+        # In place: slots below s0 + BLOCK, whose entries this program has already read.
+        tl.store(cand + kept + tl.cumsum(equal.to(tl.int32), 0) - 1, idx, mask=equal)
+        written += tl.sum(above.to(tl.int32), 0)
+        kept += tl.sum(equal.to(tl.int32), 0)
+    return written, kept
 
 
 @triton.jit
@@ -445,7 +483,6 @@ def _topk_select_kernel(
     out_row_stride,
     topk,
     CAPACITY: tl.constexpr,
-    HIST_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -468,15 +505,24 @@ def _topk_select_kernel(
         # positions listed in cand, when they fit; else the levels below scan the whole row.
         # `prefix` holds the threshold's bits fixed so far (unsigned bits in an int32),
         # `remaining` how many keys that share them are still to be taken.
-        bins = tl.arange(0, 1 << HIST_BITS)
-        hist = tl.load(hist_ptr + token.to(tl.int64) * (1 << HIST_BITS) + bins)
-        digit, remaining, size = _pick_digit(hist, bins, topk)
+        hist_row = hist_ptr + token.to(tl.int64) * HIST_WIDTH
+        bins = tl.arange(0, HIST_BINS)
+        digit, remaining, size = _pick_digit(tl.load(hist_row + bins), bins, topk)
         written = topk - remaining
         prefix = digit << (32 - HIST_BITS)
         listed = size <= CAPACITY
-        src_n = tl.where(listed, size, n)
-        # The 20 bits below the histogram's (HIST_BITS is 12): 8, 8, then 4.
-        prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 20, 12, BLOCK)
+        src_n = n
+        if listed:
+            # The second level's histogram came with the list: narrow the list to its digit.
+            bins = tl.arange(0, 256)
+            digit, remaining, _ = _pick_digit(tl.load(hist_row + HIST_BINS + bins), bins, remaining)
+            prefix = prefix | (digit << (24 - HIST_BITS))
+            written, src_n = _narrow_list(
+                row, cand, size, out_row, written, prefix, 24 - HIST_BITS, BLOCK
+            )
+        else:
+            prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 20, 12, BLOCK)
+        # The last 12 bits: 8, then 4.
         prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 12, 4, BLOCK)
         prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 4, 0, BLOCK)
         # `prefix` is the threshold key: take the bucket's keys above it and the first
@@ -516,12 +562,13 @@ def topk_select_triton(
     out = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
     if num_tokens == 0:
         return out
-    candidates = torch.empty(num_tokens, _CANDIDATES, dtype=torch.int32, device=device)
+    capacity = min(_CANDIDATES, width)
+    candidates = torch.empty(num_tokens, capacity, dtype=torch.int32, device=device)
     num_chunks = triton.cdiv(width, _SELECT_BLOCK)
     max_chunks = triton.next_power_of_2(num_chunks)
     counts = torch.empty(num_tokens, max_chunks, 2, dtype=torch.int32, device=device)
     grid = (num_tokens, num_chunks)
-    common = dict(HIST_BITS=_HIST_BITS, CHUNK=_SELECT_BLOCK, MAX_CHUNKS=max_chunks, num_warps=8)
+    common = dict(CHUNK=_SELECT_BLOCK, MAX_CHUNKS=max_chunks, num_warps=8)
     launch(
         _bucket_count_kernel,
         grid,
@@ -547,7 +594,7 @@ def topk_select_triton(
         logits.stride(0),
         out.stride(0),
         topk,
-        CAPACITY=_CANDIDATES,
+        CAPACITY=capacity,
         **common,
     )
     launch(
@@ -562,8 +609,7 @@ def topk_select_triton(
         logits.stride(0),
         out.stride(0),
         topk,
-        CAPACITY=_CANDIDATES,
-        HIST_BITS=_HIST_BITS,
+        CAPACITY=capacity,
         BLOCK=_SELECT_BLOCK,
         num_warps=8,
     )
@@ -581,7 +627,7 @@ def indexer_topk_triton(
     softmax_scale: float,
 ) -> torch.Tensor:
     """Triton twin of `indexer_topk_reference`: the same set per row (see the select's order)."""
-    histogram = torch.zeros(q.shape[0], 1 << _HIST_BITS, dtype=torch.int32, device=q.device)
+    histogram = torch.zeros(q.shape[0], HIST_WIDTH.value, dtype=torch.int32, device=q.device)
     logits = indexer_logits_triton(
         q, weights, k_cache, block_tables, seq_idx, positions, softmax_scale, histogram, topk
     )

@@ -5,6 +5,7 @@ import torch
 
 from kernels import indexer as indexer_module
 from kernels.indexer import (
+    HIST_WIDTH,
     indexer_logits_triton,
     indexer_topk_reference,
     indexer_topk_triton,
@@ -122,17 +123,18 @@ def test_key_histogram_counts_top_bits() -> None:
     positions = torch.tensor([2500, 99, 100, 0], dtype=torch.int32)
     logits = torch.randn(4, 3000) * torch.tensor([[1.0], [1e-3], [1e3], [1.0]])
     hist = key_histogram(logits.to(DEVICE), positions.to(DEVICE), 100).cpu()
+    assert hist.shape == (4, HIST_WIDTH.value)
     for t, p in enumerate(positions.tolist()):
-        want = torch.zeros(4096, dtype=torch.int32)
+        want = torch.zeros(HIST_WIDTH.value, dtype=torch.int32)  # the second level stays zero
         if p >= 100:  # rows of at most topk keys are selected without one
-            want += torch.bincount(_ordered_keys(logits[t, : p + 1]) >> 20, minlength=4096)
+            want[:4096] = torch.bincount(_ordered_keys(logits[t, : p + 1]) >> 20, minlength=4096)
         assert torch.equal(hist[t], want), t
 
 
 def test_indexer_logits_count_the_histogram() -> None:
     """The logits kernel's fused histogram is key_histogram of the logits it wrote."""
     q, weights, k_cache, block_tables, seq_idx, positions = _problem(torch.float32, 3, 37)
-    hist = torch.zeros(q.shape[0], 4096, dtype=torch.int32, device=DEVICE)
+    hist = torch.zeros(q.shape[0], HIST_WIDTH.value, dtype=torch.int32, device=DEVICE)
     logits = indexer_logits_triton(
         q, weights, k_cache, block_tables, seq_idx, positions, 0.1, hist, 64
     )
