@@ -514,8 +514,9 @@ def _topk_select_kernel(
         src_n = n
         if listed:
             # The second level's histogram came with the list: narrow the list to its digit.
-            bins = tl.arange(0, 256)
-            digit, remaining, _ = _pick_digit(tl.load(hist_row + HIST_BINS + bins), bins, remaining)
+            sub_bins = tl.arange(0, 256)
+            sub_hist = tl.load(hist_row + HIST_BINS + sub_bins)
+            digit, remaining, _ = _pick_digit(sub_hist, sub_bins, remaining)
             prefix = prefix | (digit << (24 - HIST_BITS))
             written, src_n = _narrow_list(
                 row, cand, size, out_row, written, prefix, 24 - HIST_BITS, BLOCK
