@@ -70,9 +70,10 @@ def topk_select_reference(logits: torch.Tensor, positions: torch.Tensor, topk: i
 # kernels, the first two with one program per 2048-position chunk of a row, so a long row is
 # spread over the GPU: the first counts its chunk's keys above the bucket and in it; the second
 # writes the positions above the bucket to the output and lists those in it, each chunk after
-# the chunks before it (rows stay in position order whatever order programs run in). The third,
-# one program per token, resolves the bucket's remaining 20 bits over the list alone (8, 8, then
-# 4 bits), then takes the keys above the threshold and the first ones equal to it. A bucket too
+# the chunks before it (rows stay in position order whatever order programs run in), and counts
+# the bucket's next 8 bits. The third, one program per token, takes that digit, narrows the list
+# to it in one pass (writing the keys above it), resolves the last 12 bits over what is left (8,
+# then 4), then takes the keys above the threshold and the first ones equal to it. A bucket too
 # big for the list (massive ties) is resolved over the whole row instead. With p + 1 <= topk it
 # writes 0..p and reads no logit. A row comes out as a set: the keys above the threshold bucket in
 # position order, then the rest in position order; ties go to the earlier position.
