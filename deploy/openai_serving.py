@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from cluster.outputs import RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.sampling_params import InvalidRequestError, SamplingParams
 from deploy.openai_protocol import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,
@@ -104,6 +104,19 @@ def sampling_params(
     return params
 
 
+def check_room(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> None:
+    """OpenAI's rule for an explicit max_tokens: prompt plus completion must fit the context
+    (400 otherwise, not a silently shorter answer). A prompt that leaves no room at all is the
+    engine's error to give."""
+    room = max_model_len - len(prompt_ids)
+    if 1 <= room < params.max_tokens:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{len(prompt_ids)}, so max_tokens can be at most {room}, got {params.max_tokens}",
+            "max_tokens",
+        )
+
+
 def plan_completion(
     request: CompletionRequest, prompts: list[list[int]], max_model_len: int
 ) -> list[ChoicePlan]:
@@ -114,6 +127,8 @@ def plan_completion(
             params = sampling_params(
                 request, max_tokens=max_tokens, num_logprobs=request.logprobs, choice_index=i
             )
+            if "max_tokens" in request.model_fields_set:  # not the default 16
+                check_room(prompt_ids, params, max_model_len)
             plans.append(ChoicePlan(len(plans), prompt_index, prompt_ids, params))
     return plans
 
@@ -122,22 +137,21 @@ def plan_chat(
     request: ChatCompletionRequest, prompt_ids: list[int], max_model_len: int
 ) -> list[ChoicePlan]:
     max_tokens = request.max_completion_tokens or request.max_tokens
-    if max_tokens is None:
+    explicit = max_tokens is not None
+    if not explicit:
         # OpenAI's default: whatever the context has left (at least 1, so an over-long prompt
         # reaches the engine and gets its context-length error).
         max_tokens = max(1, max_model_len - len(prompt_ids))
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return [
-        ChoicePlan(
-            i,
-            0,
-            prompt_ids,
-            sampling_params(
-                request, max_tokens=max_tokens, num_logprobs=num_logprobs, choice_index=i
-            ),
+    plans = []
+    for i in range(request.n):
+        params = sampling_params(
+            request, max_tokens=max_tokens, num_logprobs=num_logprobs, choice_index=i
         )
-        for i in range(request.n)
-    ]
+        if explicit:
+            check_room(prompt_ids, params, max_model_len)
+        plans.append(ChoicePlan(i, 0, prompt_ids, params))
+    return plans
 
 
 def usage(results: list[ChoiceResult], plans: list[ChoicePlan]) -> UsageInfo:

@@ -12,6 +12,10 @@ import httpx
 import openai
 import pytest
 
+from cluster.sampling_params import InvalidRequestError
+from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest
+from deploy.openai_serving import plan_chat, plan_completion
+
 pytestmark = pytest.mark.timeout(180)
 
 PROMPT = "The capital of France is"
@@ -273,6 +277,21 @@ def test_prompt_longer_than_context_is_400(client, served_model):
     assert _error_body(caught.value)["type"] == "invalid_request_error"
 
 
+def test_max_tokens_past_the_context_is_400(client, served_model):
+    """As OpenAI's API: an explicit max_tokens the context cannot hold after the prompt is a 400
+    naming max_tokens, for both endpoints, not a silently shorter answer."""
+    room = served_model["max_model_len"] - 3
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=served_model["id"], prompt=[5, 6, 7], max_tokens=room + 1)
+    error = _error_body(caught.value)
+    assert error["param"] == "max_tokens" and f"at most {room}" in error["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=served_model["id"], messages=CHAT, max_tokens=served_model["max_model_len"]
+        )
+    assert _error_body(caught.value)["param"] == "max_tokens"
+
+
 def test_missing_field_is_400_naming_the_param(client, served_model):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=served_model["id"], messages=[])
@@ -298,8 +317,7 @@ def test_disconnect_mid_stream_frees_blocks(serve_url, served_model, model_serve
     _wait_for_idle_engine(model_server)
     body = {
         "model": served_model["id"],
-        "messages": CHAT,
-        "max_tokens": 10_000,
+        "messages": CHAT,  # no max_tokens: the rest of the context
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
@@ -328,3 +346,21 @@ def test_health_probes_engine(serve_url, model_server):
     engine = response.json()["engine"]
     assert engine["num_total_blocks"] > 0
     assert 0.0 <= engine["kv_usage"] <= 1.0
+
+
+def test_max_tokens_that_fill_the_context_exactly_are_accepted():
+    """The boundary of the rule above, and the default left alone: an unset max_tokens is
+    whatever room is left (chat) or 16 (completions), never an error of its own."""
+    prompt = [5, 6, 7]
+    for max_tokens, fits in ((13, True), (14, False)):
+        request = CompletionRequest(model="m", prompt=prompt, max_tokens=max_tokens)
+        if fits:
+            plans = plan_completion(request, [prompt], max_model_len=16)
+            assert plans[0].params.max_tokens == 13
+        else:
+            with pytest.raises(InvalidRequestError, match="at most 13"):
+                plan_completion(request, [prompt], max_model_len=16)
+    default = plan_completion(CompletionRequest(model="m", prompt=prompt), [prompt], 8)
+    assert default[0].params.max_tokens == 16
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert plan_chat(chat, prompt, 16)[0].params.max_tokens == 13
