@@ -41,6 +41,9 @@ class EngineConfig:
             raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
         if self.num_draft_tokens < 0:
             raise ValueError("num_draft_tokens must be >= 0")
+        from workers.model import check_indexer_numerics
+
+        check_indexer_numerics(self.indexer_numerics)  # here, not after the workers load weights
 
     @property
     def topk_src_rank(self) -> int | None:
@@ -69,7 +72,7 @@ class EngineConfig:
         path = os.path.realpath(self.model)
         if path == os.path.realpath(SHIPPED_DIR):
             return "mtpserve-default"
-        return os.path.basename(path.rstrip(os.sep)) or path
+        return os.path.basename(path) or path
 
     @property
     def cuda_graph_max_batch(self) -> int:

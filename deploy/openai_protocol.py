@@ -69,7 +69,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # unset or null: OpenAI's default of 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 

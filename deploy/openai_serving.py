@@ -104,15 +104,15 @@ def sampling_params(
     return params
 
 
-def check_room(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> None:
-    """OpenAI's rule for an explicit max_tokens: prompt plus completion must fit the context
-    (400 otherwise, not a silently shorter answer). A prompt that leaves no room at all is the
-    engine's error to give."""
-    room = max_model_len - len(prompt_ids)
-    if 1 <= room < params.max_tokens:
+def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """OpenAI's rule for an explicit max_tokens (None: unset): prompt plus completion must fit
+    the context (400 otherwise, not a silently shorter answer). A prompt that leaves no room at
+    all is the engine's error to give."""
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is not None and 1 <= room < max_tokens:
         raise InvalidRequestError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{len(prompt_ids)}, so max_tokens can be at most {room}, got {params.max_tokens}",
+            f"{num_prompt_tokens}, so max_tokens can be at most {room}, got {max_tokens}",
             "max_tokens",
         )
 
@@ -123,12 +123,11 @@ def plan_completion(
     max_tokens = request.max_tokens if request.max_tokens is not None else 16
     plans = []
     for prompt_index, prompt_ids in enumerate(prompts):
+        check_room(len(prompt_ids), request.max_tokens, max_model_len)
         for i in range(request.n):
             params = sampling_params(
                 request, max_tokens=max_tokens, num_logprobs=request.logprobs, choice_index=i
             )
-            if "max_tokens" in request.model_fields_set:  # not the default 16
-                check_room(prompt_ids, params, max_model_len)
             plans.append(ChoicePlan(len(plans), prompt_index, prompt_ids, params))
     return plans
 
@@ -137,21 +136,23 @@ def plan_chat(
     request: ChatCompletionRequest, prompt_ids: list[int], max_model_len: int
 ) -> list[ChoicePlan]:
     max_tokens = request.max_completion_tokens or request.max_tokens
-    explicit = max_tokens is not None
-    if not explicit:
+    check_room(len(prompt_ids), max_tokens, max_model_len)
+    if max_tokens is None:
         # OpenAI's default: whatever the context has left (at least 1, so an over-long prompt
         # reaches the engine and gets its context-length error).
         max_tokens = max(1, max_model_len - len(prompt_ids))
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    plans = []
-    for i in range(request.n):
-        params = sampling_params(
-            request, max_tokens=max_tokens, num_logprobs=num_logprobs, choice_index=i
+    return [
+        ChoicePlan(
+            i,
+            0,
+            prompt_ids,
+            sampling_params(
+                request, max_tokens=max_tokens, num_logprobs=num_logprobs, choice_index=i
+            ),
         )
-        if explicit:
-            check_room(prompt_ids, params, max_model_len)
-        plans.append(ChoicePlan(i, 0, prompt_ids, params))
-    return plans
+        for i in range(request.n)
+    ]
 
 
 def usage(results: list[ChoiceResult], plans: list[ChoicePlan]) -> UsageInfo:

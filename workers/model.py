@@ -24,6 +24,14 @@ from parallel.linear import (
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 
+INDEXER_NUMERICS = ("exact", "fp8")
+
+
+def check_indexer_numerics(numerics: str) -> None:
+    if numerics not in INDEXER_NUMERICS:
+        raise ValueError(f"indexer numerics must be one of {INDEXER_NUMERICS}, got {numerics!r}")
+
+
 # DeepSeek builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
 # config.rms_norm_eps; the indexer's key LayerNorm also uses 1e-6.
 LATENT_NORM_EPS = 1e-6
@@ -440,8 +448,7 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     def set_indexer_numerics(self, numerics: str) -> None:
         """ "exact" (transformers' numerics, the default) or "fp8" (DeepSeek's deployed indexer)."""
-        if numerics not in ("exact", "fp8"):
-            raise ValueError(f"indexer numerics must be 'exact' or 'fp8', got {numerics!r}")
+        check_indexer_numerics(numerics)
         for module in self.modules():
             if isinstance(module, Indexer):
                 module.fp8 = numerics == "fp8"

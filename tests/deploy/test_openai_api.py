@@ -360,7 +360,12 @@ def test_max_tokens_that_fill_the_context_exactly_are_accepted():
         else:
             with pytest.raises(InvalidRequestError, match="at most 13"):
                 plan_completion(request, [prompt], max_model_len=16)
-    default = plan_completion(CompletionRequest(model="m", prompt=prompt), [prompt], 8)
-    assert default[0].params.max_tokens == 16
+    for unset in (CompletionRequest(model="m", prompt=prompt), _null_max_tokens(prompt)):
+        assert plan_completion(unset, [prompt], 8)[0].params.max_tokens == 16
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     assert plan_chat(chat, prompt, 16)[0].params.max_tokens == 13
+
+
+def _null_max_tokens(prompt: list[int]) -> CompletionRequest:
+    """A request whose JSON carries "max_tokens": null, as clients may send."""
+    return CompletionRequest.model_validate({"model": "m", "prompt": prompt, "max_tokens": None})
