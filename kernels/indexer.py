@@ -363,6 +363,9 @@ def _bucket_count_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if tl.program_id(1) == 0:  # the second level starts from zero whatever the caller passed
+        sub_bins = tl.arange(0, 256)
+        tl.store(hist_ptr + tl.program_id(0).to(tl.int64) * HIST_WIDTH + HIST_BINS + sub_bins, 0)
     if _needs_chunk(positions_ptr, topk, CHUNK):
         _, _, above, inside = _chunk_buckets(
             hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, CHUNK
@@ -551,7 +554,8 @@ def topk_select_triton(
 ) -> torch.Tensor:
     """int32 [T, topk]: the positions of the min(topk, p + 1) largest of logits[t, 0..p]
     (p = positions[t]; ties go to the earlier position), as a set (see above), then -1.
-    `histogram` is `key_histogram(logits, positions, topk)` where the caller already has it."""
+    `histogram` is `key_histogram(logits, positions, topk)` where the caller already has it; the
+    select rewrites its second level only."""
     check_tensor("logits", logits, ndim=2, dtypes=(torch.float32,))
     check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=logits.device)
     num_tokens, width = logits.shape

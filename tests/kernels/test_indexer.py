@@ -152,3 +152,16 @@ def test_topk_select_ignores_logits_past_the_position() -> None:
     want = _select_oracle(logits, positions, 64)
     got = topk_select_triton(poisoned.to(DEVICE), positions.to(DEVICE), 64).cpu()
     assert torch.equal(_as_sets(got), want)
+
+
+def test_topk_select_can_reuse_a_histogram() -> None:
+    """The select adds its second level into the histogram it is given and resets it first, so
+    a histogram passed twice (as a benchmark replays one call) selects the same set twice."""
+    torch.manual_seed(5)
+    positions = torch.tensor([4999, 3000], dtype=torch.int32)
+    logits = torch.randn(2, 5120)
+    want = _select_oracle(logits, positions, 300)
+    hist = key_histogram(logits.to(DEVICE), positions.to(DEVICE), 300)
+    for _ in range(2):
+        got = topk_select_triton(logits.to(DEVICE), positions.to(DEVICE), 300, hist).cpu()
+        assert torch.equal(_as_sets(got), want)
