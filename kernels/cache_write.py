@@ -1,4 +1,5 @@
-"""Fused norm + RoPE + paged-cache write for the two per-token caches of a layer.
+"""Fused norm + RoPE + paged-cache write for the two per-token caches of a layer, and a plain
+write of given rows.
 
 Paged caches are [num_blocks, block_size_tokens, width]; `slot_mapping[t]` is the flat slot
 (block * block_size_tokens + offset) of token t, or -1 for a token whose key is not stored.
@@ -16,7 +17,10 @@ from kernels.rmsnorm import rms_norm_reference
 from kernels.rope import rope_pair, rope_reference
 
 
-def _write(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+def cache_rows_write_reference(
+    cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """cache's slot slot_mapping[t] <- rows[t] (cast to the cache's dtype) where it is >= 0."""
     flat = cache.view(-1, cache.shape[-1])
     keep = slot_mapping >= 0
     flat[slot_mapping[keep]] = rows[keep].to(cache.dtype)
@@ -40,7 +44,7 @@ def mla_kv_cache_write_reference(
     rows = torch.cat(
         [rms_norm_reference(latent, norm_weight, eps), rope_reference(k_rope, cos, sin, True)], -1
     )
-    _write(kv_cache, slot_mapping, rows)
+    cache_rows_write_reference(kv_cache, slot_mapping, rows)
     return rows
 
 
@@ -58,7 +62,7 @@ def indexer_k_cache_write_reference(
     rope_dim = cos.shape[-1] * 2
     k = F.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, eps)
     rows = rope_reference(k[:, None], cos, sin, False, rope_dim)[:, 0]
-    _write(k_cache, slot_mapping, rows)
+    cache_rows_write_reference(k_cache, slot_mapping, rows)
     return rows
 
 
@@ -304,3 +308,52 @@ def indexer_k_cache_write_triton(
             num_warps=4,
         )
     return rows
+
+
+@triton.jit
+def _cache_rows_write_kernel(
+    rows_ptr,
+    cache_ptr,
+    slot_ptr,
+    rows_row_stride,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    token = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        row = tl.load(rows_ptr + token * rows_row_stride + cols, mask=cols < WIDTH)
+        dst = cache_ptr + slot * WIDTH + cols
+        tl.store(dst, row.to(cache_ptr.dtype.element_ty), mask=cols < WIDTH)
+
+
+def cache_rows_write_triton(
+    cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Triton twin of `cache_rows_write_reference`: no host sync, so CUDA-graph capturable."""
+    check_tensor("rows", rows, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("cache", cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True, device=rows.device)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=rows.device)
+    if slot_mapping.shape[0] != rows.shape[0] or cache.shape[-1] != rows.shape[1]:
+        raise ValueError(
+            f"rows {tuple(rows.shape)}, {slot_mapping.shape[0]} slots, cache rows "
+            f"{cache.shape[-1]} wide"
+        )
+    if rows.shape[0] > 0:
+        launch(
+            _cache_rows_write_kernel,
+            (rows.shape[0],),
+            rows,
+            rows,
+            cache,
+            slot_mapping,
+            rows.stride(0),
+            WIDTH=rows.shape[1],
+            BLOCK=triton.next_power_of_2(rows.shape[1]),
+            num_warps=1,
+        )

@@ -40,7 +40,9 @@ def fp8_round_reference(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor
     shape = x.shape
     width = shape[-1]
     pad = (-width) % block
-    x32 = torch.nn.functional.pad(x.float(), (0, pad)).view(*shape[:-1], -1, block)
+    x32 = torch.nn.functional.pad(x.float(), (0, pad)).view(
+        *shape[:-1], (width + pad) // block, block
+    )
     scale = x32.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_E4M3_MAX
     q = (x32 / scale).to(torch.float8_e4m3fn).float() * scale
     return q.view(*shape[:-1], width + pad)[..., :width].to(x.dtype)

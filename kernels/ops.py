@@ -12,6 +12,8 @@ import torch
 from kernels import deepgemm
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.cache_write import (
+    cache_rows_write_reference,
+    cache_rows_write_triton,
     indexer_k_cache_write_reference,
     indexer_k_cache_write_triton,
     mla_kv_cache_write_reference,
@@ -93,6 +95,11 @@ def indexer_k_cache_write(
     return impl(k, ln_weight, ln_bias, eps, cos, sin, k_cache, slot_mapping)
 
 
+def cache_rows_write(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    impl = cache_rows_write_triton if use_triton(rows.device) else cache_rows_write_reference
+    impl(cache, slot_mapping, rows)
+
+
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -170,6 +177,8 @@ __all__ = [
     "rope_cos_sin",
     "mla_kv_cache_write",
     "indexer_k_cache_write",
+    "cache_rows_write",
+    "indexer_fp8",
     "indexer_topk",
     "sparse_mla_attention",
     "moe_route",

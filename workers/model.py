@@ -158,12 +158,9 @@ class Indexer(nn.Module):
             k_cache,
             meta.slot_mapping,
         )  # [T, index_head_dim], as written
-        if self.fp8:
+        if self.fp8:  # the cache holds the rows FP8 scoring sees: they replace those just written
             q = ops.indexer_fp8(q)
-            keep = meta.slot_mapping >= 0
-            k_cache.view(-1, self.head_dim)[meta.slot_mapping[keep]] = ops.indexer_fp8(
-                k_rows[keep]
-            ).to(k_cache.dtype)
+            ops.cache_rows_write(k_cache, meta.slot_mapping, ops.indexer_fp8(k_rows))
         weights = ops.linear_fp32(x, self.weights_proj.weight, self.num_heads**-0.5)  # [T, H]
         return ops.indexer_topk(
             q,

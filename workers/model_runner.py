@@ -278,11 +278,14 @@ class ModelRunner:
                 tokens.append(res.sampled_token_ids[r] if r < num_pairs else 0)
                 hidden_rows.append(offsets[i] + min(r, num_pairs - 1))
                 positions.append(position)
-                slot = (
+                # Padding rows write nothing, and their positions may lie past the blocks the
+                # scheduler allocated (a verify with fewer than k drafts).
+                slots.append(
                     blocks[position // self.block_size] * self.block_size
                     + position % self.block_size
+                    if r < num_pairs
+                    else -1
                 )
-                slots.append(slot if r < num_pairs else -1)
             last_idx.append(i * width + num_pairs - 1)
         drafts = self.propose_graphs.run(
             tokens,

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from kernels.cache_write import (
+    cache_rows_write_reference,
+    cache_rows_write_triton,
     indexer_k_cache_write_reference,
     indexer_k_cache_write_triton,
     mla_kv_cache_write_reference,
@@ -84,3 +86,22 @@ def test_mla_kv_cache_write_rejects_wrong_cache_width() -> None:
             cache,
             torch.tensor([0, 1], device=DEVICE),
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_rows_write_matches_twin(dtype: torch.dtype) -> None:
+    """Rows land in their slots; slot -1 and every other slot stay."""
+    torch.manual_seed(2)
+    cache = torch.randn(3, BLOCK_SIZE_TOKENS, 40, dtype=dtype, device=DEVICE)
+    slots = _slots(50, 3)
+    rows = torch.randn(50, 40, dtype=dtype, device=DEVICE)
+    expected, actual = cache.clone(), cache.clone()
+    cache_rows_write_reference(expected, slots, rows)
+    cache_rows_write_triton(actual, slots, rows)
+    assert torch.equal(actual, expected)
+    flat = actual.view(-1, 40)
+    kept = slots[slots >= 0]
+    assert torch.equal(flat[kept], rows[slots >= 0])
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[kept] = False
+    assert torch.equal(flat[untouched], cache.view(-1, 40)[untouched])

@@ -27,3 +27,8 @@ def test_fp8_rounding_error_and_idempotence():
     assert ((r - x).abs() <= x.abs() / 16 + scale * 2**-9 + 1e-12).all()
     assert torch.equal(fp8_round_reference(r), r)
     assert (r != x).any()
+
+
+def test_fp8_rounding_of_no_rows():
+    """No rows in, no rows out (the block count is explicit, not inferred from zero elements)."""
+    assert fp8_round_reference(torch.empty(0, 128)).shape == (0, 128)

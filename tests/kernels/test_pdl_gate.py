@@ -22,6 +22,8 @@ from kernels import launch as launch_module
 from kernels import platform
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.cache_write import (
+    cache_rows_write_reference,
+    cache_rows_write_triton,
     indexer_k_cache_write_reference,
     indexer_k_cache_write_triton,
     mla_kv_cache_write_reference,
@@ -54,6 +56,7 @@ ALL_KERNELS = {
     "_silu_and_mul_kernel",
     "_mla_kv_cache_write_kernel",
     "_indexer_k_cache_write_kernel",
+    "_cache_rows_write_kernel",
     "_indexer_logits_kernel",
     "_topk_select_kernel",
     "_key_histogram_kernel",
@@ -139,6 +142,12 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
                 4,
                 0.25,
             ),
+        ),
+        (  # returns the cache it wrote
+            "cache_rows_write",
+            lambda cache, *a: (cache_rows_write_triton(cache, *a), cache)[1],
+            lambda cache, *a: (cache_rows_write_reference(cache, *a), cache)[1],
+            (torch.zeros(2, 64, 12), slots, torch.randn(3, 12)),
         ),
         (  # standalone, the select counts its own histogram
             "topk_select",

@@ -53,6 +53,31 @@ def test_gpu_bf16_mtp_with_graphs_is_identical(tiny_model_dir, prompts, k, share
     assert mtp == eager
 
 
+def test_gpu_mtp_last_round_past_the_allocated_blocks(tiny_model_dir, prompts):
+    """A request's last verify carries fewer than k drafts, so the scheduler allocates fewer
+    slots than the graphed proposal's k + 1 padded rows span. Alone in its step, the request's
+    block-table row is as short as its allocation: with 16-token blocks and every prompt length
+    over a block, some padded row lies past it."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    options = dict(device="cuda", dtype="bfloat16", block_size_tokens=16)
+    eager = LLM(tiny_model_dir, enforce_eager=True, **options)
+    mtp = LLM(tiny_model_dir, num_draft_tokens=3, **options)
+    for n in range(8, 25):
+        prompt = prompts[1][:n]  # 41 tokens
+        want = eager.generate([prompt], params)[0].token_ids
+        assert mtp.generate([prompt], params)[0].token_ids == want, n
+
+
+def test_gpu_fp8_indexer_with_graphs_is_identical_to_eager(tiny_model_dir, prompts):
+    """The FP8 indexer's cache write inside captured decode steps (no host sync, padded rows)."""
+    eager, _ = _tokens(
+        tiny_model_dir, prompts, dtype="bfloat16", indexer_numerics="fp8", enforce_eager=True
+    )
+    graphs, llm = _tokens(tiny_model_dir, prompts, dtype="bfloat16", indexer_numerics="fp8")
+    assert graphs == eager
+    assert llm.engine.executor.worker.runner.graphs.graphs
+
+
 def test_gpu_graphed_proposals_match_eager_on_the_trained_model():
     """Drafts only change speed, so greedy identity cannot see a wrong draft: compare the
     acceptance of graphed proposals with eager ones on the trained default model."""
