@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+DEFAULT_MAX_MODEL_LEN = 8192  # when neither the option nor the checkpoint says less
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from cluster.block_manager import BlockManager
-from cluster.config import EngineConfig
+from cluster.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from cluster.executor import WorkerError, make_executor
 from cluster.outputs import RequestOutput, SpecDecodeStats, make_request_output
 from cluster.request import Request, RequestStatus
@@ -19,8 +19,6 @@ from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.batch import SamplingSpec, SeqWork, StepInput
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass
@@ -64,11 +62,6 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        self.executor = make_executor(config)
-        num_drafts = config.num_draft_tokens if self.executor.has_mtp else 0
-        if config.num_draft_tokens and not num_drafts:
-            logger.warning("the checkpoint has no MTP layer: num_draft_tokens forced to 0")
-        self.num_draft_tokens = num_drafts
         from workers.loader import load_config
 
         model_config = load_config(config.model)
@@ -76,6 +69,12 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(
             model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
         )
+        # The workers size their caches and graphs for the context the engine serves.
+        self.executor = make_executor(config.replace(max_model_len=self.max_model_len))
+        num_drafts = config.num_draft_tokens if self.executor.has_mtp else 0
+        if config.num_draft_tokens and not num_drafts:
+            logger.warning("the checkpoint has no MTP layer: num_draft_tokens forced to 0")
+        self.num_draft_tokens = num_drafts
         num_blocks = self.executor.num_kv_blocks
         block_manager = BlockManager(num_blocks, config.block_size_tokens)
         capacity = block_manager.capacity_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 
-from cluster.config import EngineConfig
+from cluster.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from workers.batch import StepInput, StepOutput
 
 
@@ -42,7 +42,7 @@ def worker_spec(config: EngineConfig):
         topk_src_rank=config.topk_src_rank,
         collective_timeout_s=config.step_timeout_s,
         cuda_graph_max_batch=config.cuda_graph_max_batch,
-        max_model_len=config.max_model_len or 8192,
+        max_model_len=config.max_model_len or DEFAULT_MAX_MODEL_LEN,
         max_num_seqs=config.max_num_seqs,
         indexer_numerics=config.indexer_numerics,
     )
@@ -56,7 +56,7 @@ class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig):
         from workers.worker import Worker
 
-        self.worker = Worker.from_spec(worker_spec(config), config.device)
+        self.worker = Worker.from_spec(worker_spec(config))
         self.num_kv_blocks = self.worker.num_kv_blocks
         self.has_mtp = self.worker.has_mtp
 

@@ -1,5 +1,6 @@
-"""What one engine step returns per request (`StepResult`), MTP acceptance counters
-(`SpecDecodeStats`), and what the engine yields to callers (`RequestOutput`).
+"""MTP acceptance counters (`SpecDecodeStats`) and what the engine yields to callers
+(`RequestOutput`). What one step returns per request is the worker's `workers.batch.SeqResult`,
+which the scheduler consumes as it crosses the actor boundary, with no copy into a type of ours.
 """
 
 from __future__ import annotations
@@ -7,15 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from workers.batch import SeqResult
-
 if TYPE_CHECKING:
     from cluster.request import Request
-
-
-# What a step returns per request is the worker's own result type (the scheduler consumes it as
-# it crosses the actor boundary, with no copy into a type of ours).
-StepResult = SeqResult
 
 
 @dataclass

@@ -33,14 +33,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.block_manager import BlockManager
+from cluster.config import DEFAULT_MAX_MODEL_LEN
 from cluster.detokenizer import IncrementalDetokenizer, find_stop_string, stop_search_start
-from cluster.outputs import StepResult
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError
+from workers.batch import SeqResult
 
 # 8192 blocks of 64 tokens = 512Ki token slots; engines size this from free GPU memory.
 DEFAULT_NUM_BLOCKS = 8192
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass(frozen=True)
@@ -382,7 +382,7 @@ class Scheduler:
 
     # ---- update ----------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, results: dict[str, StepResult]) -> list[Request]:
+    def update(self, output: SchedulerOutput, results: dict[str, SeqResult]) -> list[Request]:
         """Apply one step's results; returns the requests that gained tokens or finished.
 
         Requests aborted between `schedule()` and `update()` and requests without a result
@@ -423,7 +423,7 @@ class Scheduler:
             changed.append(request)
         return changed
 
-    def _append_tokens(self, request: Request, result: StepResult) -> None:
+    def _append_tokens(self, request: Request, result: SeqResult) -> None:
         """Append sampled tokens one at a time, stopping at the first stop condition; tokens
         after the stopping one are discarded. Sets `request.status` when it finishes.
 

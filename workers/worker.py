@@ -100,10 +100,10 @@ class Worker:
         )
 
     @classmethod
-    def from_spec(cls, spec: WorkerSpec, device: str) -> Worker:
+    def from_spec(cls, spec: WorkerSpec) -> Worker:
         return cls(
             spec.model,
-            device,
+            spec.device,
             spec.dtype,
             spec.num_kv_blocks,
             spec.block_size_tokens,

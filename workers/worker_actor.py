@@ -49,7 +49,7 @@ class WorkerActor:
 
     def load(self) -> tuple[int, bool]:
         """-> (num_kv_blocks this rank can hold, whether the checkpoint has an MTP layer)."""
-        self.worker = Worker.from_spec(self.spec, self.device.type)
+        self.worker = Worker.from_spec(self.spec)
         return self.worker.num_kv_blocks, self.worker.has_mtp
 
     def execute(self, step: StepInput) -> StepOutput | None:

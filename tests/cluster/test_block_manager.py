@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cluster.block_manager import NULL_BLOCK_ID, BlockManager, cdiv
-from cluster.outputs import StepResult
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler, SchedulerConfig
+from workers.batch import SeqResult
 
 
 def _request(request_id: str = "r", prompt_len: int = 4) -> Request:
@@ -114,16 +114,16 @@ def _check_invariants(sched: Scheduler, after_update: bool) -> None:
     assert len(sched.running) <= sched.config.max_num_seqs
 
 
-def _random_result(rng: random.Random, scheduled) -> StepResult:
+def _random_result(rng: random.Random, scheduled) -> SeqResult:
     request = scheduled.request
     if not scheduled.samples:
-        return StepResult(request.request_id)
+        return SeqResult(request.request_id)
     num_accepted = rng.randint(0, scheduled.num_draft_tokens)
     drafts = scheduled.token_ids[len(scheduled.token_ids) - scheduled.num_draft_tokens :]
     bonus = EOS_TOKEN_ID if rng.random() < 0.03 else rng.randrange(VOCAB)
     sampled = drafts[:num_accepted] + [bonus]
     k = rng.randint(0, 4)
-    return StepResult(
+    return SeqResult(
         request.request_id,
         sampled_token_ids=sampled,
         num_accepted_drafts=num_accepted,

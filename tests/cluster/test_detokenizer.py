@@ -11,10 +11,11 @@ from cluster.detokenizer import (
     find_stop_string,
     num_stop_holdback_chars,
 )
-from cluster.outputs import StepResult, make_request_output
+from cluster.outputs import make_request_output
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler, SchedulerConfig
+from workers.batch import SeqResult
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -124,7 +125,7 @@ def test_stop_string_across_token_boundary(tokenizer: Tokenizer) -> None:
     streamed = ""
     for token_id in output_ids:
         out = sched.schedule()
-        sched.update(out, {"r": StepResult("r", [token_id])})
+        sched.update(out, {"r": SeqResult("r", [token_id])})
         streamed += make_request_output(request).new_text
         if request.is_finished:
             break

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.outputs import SpecDecodeStats, StepResult, make_request_output
+from cluster.outputs import SpecDecodeStats, make_request_output
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.batch import SeqResult
 
 EOS = 99
 
@@ -52,10 +53,10 @@ def step(
     for s in output.scheduled:
         rid = s.request_id
         if not s.samples:
-            results[rid] = StepResult(rid)
+            results[rid] = SeqResult(rid)
             continue
         sampled = tokens.get(rid, [5])
-        results[rid] = StepResult(
+        results[rid] = SeqResult(
             rid,
             sampled_token_ids=sampled,
             num_accepted_drafts=len(sampled) - 1,
@@ -254,7 +255,7 @@ def test_max_tokens_truncates_a_multi_token_round() -> None:
     assert out.scheduled[0].num_draft_tokens == 2 and out.scheduled[0].token_ids == [1, 2, 3]
     # Tighten max_tokens under the in-flight step: update must still cap the output.
     r.sampling_params.max_tokens = 2
-    changed = sched.update(out, {"r": StepResult("r", [2, 3, 9], 2, [])})
+    changed = sched.update(out, {"r": SeqResult("r", [2, 3, 9], 2, [])})
     assert changed == [r] and r.output_token_ids == [1, 2] and r.output_text == "bc"
     assert r.status is RequestStatus.FINISHED_LENGTH
 
@@ -292,7 +293,7 @@ def test_draft_rollback_frees_blocks() -> None:
     # slots: ceil((9 + 4) / 2) = 7 blocks.
     assert len(r.block_ids) == 7 and bm.num_free_blocks == 32 - 7
     kept_block_ids = r.block_ids[:2]
-    sched.update(out, {"r": StepResult("r", [2, 7], 1, [8, 8, 8, 8, 8])})
+    sched.update(out, {"r": SeqResult("r", [2, 7], 1, [8, 8, 8, 8, 8])})
     # One draft accepted: KV of positions 0..4 valid, so ceil(5 / 2) = 3 blocks remain.
     assert r.num_computed_tokens == 5 and r.num_tokens == 6
     assert len(r.block_ids) == 3 and r.block_ids[:2] == kept_block_ids
@@ -320,7 +321,7 @@ def test_abort_between_schedule_and_update_is_ignored() -> None:
     sched.add(r)
     out = sched.schedule()
     sched.abort("r")
-    assert sched.update(out, {"r": StepResult("r", [1])}) == []
+    assert sched.update(out, {"r": SeqResult("r", [1])}) == []
     assert r.output_token_ids == [] and sched.block_manager.num_free_blocks == 64
 
 
