@@ -26,7 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from cluster.outputs import RequestOutput
-from cluster.sampling_params import InvalidRequestError
 from deploy import openai_serving as serving
 from deploy.messages import GenerateFailure, GenerateRequest, ModelInfo
 from deploy.openai_protocol import (
@@ -64,14 +63,18 @@ def error_response(
     return JSONResponse(body.model_dump(), status_code=status_code)
 
 
-def failure_response(failure: GenerateFailure) -> JSONResponse:
-    return error_response(
-        failure.status_code,
-        failure.message,
-        failure.error_type,
-        failure.param,
+def failure_body(failure: GenerateFailure) -> ErrorResponse:
+    error = ErrorBody(
+        message=failure.message,
+        type=failure.error_type,
+        param=failure.param,
         code=failure.error_type,
     )
+    return ErrorResponse(error=error)
+
+
+def failure_response(failure: GenerateFailure) -> JSONResponse:
+    return JSONResponse(failure_body(failure).model_dump(), status_code=failure.status_code)
 
 
 @app.exception_handler(RequestValidationError)
@@ -107,13 +110,7 @@ def _sse(payload: str) -> str:
 
 def _failure_event(failure: GenerateFailure) -> str:
     """A failure after the stream started: an OpenAI error body as the last SSE event."""
-    body = ErrorBody(
-        message=failure.message,
-        type=failure.error_type,
-        param=failure.param,
-        code=failure.error_type,
-    )
-    return _sse(ErrorResponse(error=body).model_dump_json())
+    return _sse(failure_body(failure).model_dump_json())
 
 
 def _failure_from_handle_error(exc: BaseException) -> GenerateFailure:
@@ -264,7 +261,7 @@ class OpenAIIngress:
         (request id, plans, merged stream), or the error response to send instead."""
         try:
             plans = plan_fn(request, prompts, info.max_model_len)
-        except (InvalidRequestError, ValueError) as exc:
+        except ValueError as exc:  # InvalidRequestError is one
             return error_response(
                 400,
                 getattr(exc, "message", None) or str(exc),
