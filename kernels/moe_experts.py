@@ -67,8 +67,9 @@ def _layout_rows(num_pairs: int, num_local_experts: int, block_m: int) -> int:
     )
 
 
-# Pairs up to which the layout is one Triton program (batch 32 x top-8).
-LAYOUT_MAX_PAIRS = 256
+# Routed pairs at or below which a step is decode (e.g. batch 32 x top-8): the decode tile config
+# below, and the grouped layout as one Triton program.
+DECODE_MAX_PAIRS = 256
 
 
 def grouped_layout(
@@ -160,38 +161,34 @@ def _grouped_layout_kernel(
 def grouped_layout_triton(
     topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
 ) -> GroupedLayout:
-    """Triton twin of `grouped_layout`, one launch instead of a dozen torch ops (decode sizes:
-    at most `LAYOUT_MAX_PAIRS` pairs)."""
+    """Triton twin of `grouped_layout`: one launch instead of a dozen torch ops at decode sizes
+    (1 to DECODE_MAX_PAIRS pairs), the twin itself otherwise."""
     num_pairs = topk_ids.numel()
-    if num_pairs > LAYOUT_MAX_PAIRS:
-        raise ValueError(f"{num_pairs} pairs: the one-program layout takes <= {LAYOUT_MAX_PAIRS}")
+    if not 0 < num_pairs <= DECODE_MAX_PAIRS:
+        return grouped_layout(topk_ids, num_local_experts, first_expert, block_m)
     ids = topk_ids.reshape(-1)
     num_rows = _layout_rows(num_pairs, num_local_experts, block_m)
     num_blocks = num_rows // block_m
     sorted_pairs = torch.empty(num_rows, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
-    if num_pairs > 0:
-        launch(
-            _grouped_layout_kernel,
-            (1,),
-            ids,
-            ids,
-            sorted_pairs,
-            block_expert,
-            num_pairs,
-            num_local_experts,
-            first_expert,
-            num_rows,
-            num_blocks,
-            BLOCK_M=block_m,
-            BLOCK_P=max(32, triton.next_power_of_2(num_pairs)),
-            BLOCK_NB=max(32, triton.next_power_of_2(num_blocks)),
-            CHUNK=32,
-            num_warps=4,
-        )
-    else:
-        sorted_pairs.fill_(-1)
-        block_expert.fill_(-1)
+    launch(
+        _grouped_layout_kernel,
+        (1,),
+        ids,
+        ids,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        num_local_experts,
+        first_expert,
+        num_rows,
+        num_blocks,
+        BLOCK_M=block_m,
+        BLOCK_P=max(32, triton.next_power_of_2(num_pairs)),
+        BLOCK_NB=max(32, triton.next_power_of_2(num_blocks)),
+        CHUNK=32,
+        num_warps=4,
+    )
     return GroupedLayout(sorted_pairs, block_expert, block_m)
 
 
@@ -365,8 +362,6 @@ class GroupedGemmConfig:
 # expert's weights over many programs (memory-bound). Prefill: tall tiles reuse weight tiles.
 DECODE_CONFIG = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 PREFILL_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
-# Routed pairs at or below which a step is treated as decode (e.g. batch 32 x top-8).
-DECODE_MAX_PAIRS = 256
 
 
 def grouped_moe_triton(
@@ -386,7 +381,8 @@ def grouped_moe_triton(
     check_tensor(
         "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True, device=device
     )
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    # The pair sum reads ids and weights by token * top_k + slot.
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, contiguous=True, device=device)
     num_tokens, hidden = x.shape
     num_local_experts, two_i, _ = w13.shape
     intermediate = two_i // 2
@@ -408,8 +404,7 @@ def grouped_moe_triton(
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=device)  # [T * top_k, hidden]
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
     if num_pairs > 0:
-        make_layout = grouped_layout_triton if num_pairs <= LAYOUT_MAX_PAIRS else grouped_layout
-        layout = make_layout(topk_ids, num_local_experts, first_expert, config.block_m)
+        layout = grouped_layout_triton(topk_ids, num_local_experts, first_expert, config.block_m)
         num_blocks = layout.block_expert.shape[0]
         h = torch.empty(layout.sorted_pairs.shape[0], intermediate, dtype=x.dtype, device=device)
         upcast = dot_in_fp32(x.dtype)

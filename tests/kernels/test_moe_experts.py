@@ -78,3 +78,12 @@ def test_grouped_layout_kernel_equals_torch_layout(
     got = grouped_layout_triton(ids, num_local, first_expert, block_m)
     assert torch.equal(got.sorted_pairs.cpu(), want.sorted_pairs.cpu())
     assert torch.equal(got.block_expert.cpu(), want.block_expert.cpu())
+
+
+def test_grouped_moe_rejects_strided_topk_ids() -> None:
+    """The pair sum reads ids by token * top_k + slot: a strided view must not be misread."""
+    x = torch.randn(3, 6, device=DEVICE)
+    w13, w2 = torch.randn(4, 10, 6, device=DEVICE), torch.randn(4, 6, 5, device=DEVICE)
+    ids = torch.randint(0, 4, (3, 4), dtype=torch.int32, device=DEVICE)[:, :2]
+    with pytest.raises(ValueError, match="topk_ids"):
+        grouped_moe_triton(x, w13, w2, torch.rand(3, 2, device=DEVICE), ids)
