@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import socket
 import statistics
@@ -60,7 +61,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    rank = max(1, math.ceil(q / 100 * len(ordered)))  # the smallest rank covering q percent
     return ordered[rank - 1]
 
 
@@ -208,8 +209,9 @@ async def engine_ttft(engine_config: dict, prompts: list[list[int]]) -> list[flo
 
 
 def model_vocab_size(model_dir: str) -> int:
-    with open(f"{model_dir}/config.json") as f:
-        return json.load(f)["vocab_size"]
+    from workers.loader import load_config
+
+    return load_config(model_dir).vocab_size
 
 
 def _free_port() -> int:
@@ -357,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
     kv_full = kv_after["num_free_blocks"] == kv_after["num_total_blocks"]
-    return 0 if load.num_errors == 0 and kv_full and kv_after["num_running"] == 0 else 1
+    idle = kv_after["num_running"] == 0 and kv_after["num_waiting"] == 0
+    return 0 if load.num_errors == 0 and kv_full and idle else 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -58,3 +59,12 @@ def test_load_has_no_errors_matches_offline_and_frees_kv(serve_url, served_model
     assert texts, "no completion recorded"
     for index, seen in texts.items():
         assert seen == {references[index].text}, (index, seen)
+
+
+def test_percentile_is_nearest_rank():
+    """The smallest value with at least q percent of the values at or below it."""
+    percentile = _load_test_module().percentile
+    ten = [float(v) for v in range(10, 0, -1)]  # unordered on purpose
+    assert [percentile(ten, q) for q in (1, 10, 50, 51, 90, 99, 100)] == [1, 1, 5, 6, 9, 10, 10]
+    assert percentile([float(v) for v in range(1, 23)], 50) == 11
+    assert math.isnan(percentile([], 50))
