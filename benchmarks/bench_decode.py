@@ -142,7 +142,7 @@ class DecodeBench:
         positions = (context + torch.arange(tokens_per_seq, device=CUDA)).repeat(batch)
         seq = torch.arange(batch, device=CUDA).repeat_interleave(tokens_per_seq)
         slots = tables[seq, positions // BLOCK].long() * BLOCK + positions % BLOCK
-        ids = torch.randint(0, 129280, (batch * tokens_per_seq,), device=CUDA)
+        ids = torch.randint(0, self.model.config.vocab_size, (batch * tokens_per_seq,), device=CUDA)
         return ids, positions, slots, tables
 
     def graph_ms(self, graphs: DecodeGraphs, batch: int, context: int, q: int, reps=20) -> float:
@@ -157,27 +157,27 @@ class DecodeBench:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps
 
-    @torch.no_grad()
+    def eager_step(self, batch: int, context: int, tokens_per_seq: int):
+        """One eager forward of `tokens_per_seq` new tokens for each of `batch` sequences after
+        `context` cached ones, and the LM head on each sequence's last token."""
+        from workers.attention_metadata import AttentionMetadata
+
+        ids, positions, slots, tables = self.inputs(batch, context, tokens_per_seq)
+        seq = torch.arange(batch, device=CUDA).repeat_interleave(tokens_per_seq)
+        last = torch.arange(1, batch + 1, device=CUDA) * tokens_per_seq - 1
+
+        @torch.no_grad()
+        def step():
+            hidden = self.model(ids, AttentionMetadata(positions, slots, seq, tables))
+            self.model.compute_logits(hidden if tokens_per_seq == 1 else hidden[last])
+
+        return step
+
     def prefill_ms(self, context: int, chunk: int, reps: int = 3) -> float:
         """One chunked-prefill step: `chunk` new tokens of one sequence after `context` cached
         ones (the engine prefills in chunks of max_num_batched_tokens), eager as the engine runs
         prefill."""
-        from workers.attention_metadata import AttentionMetadata
-
-        ids, positions, slots, tables = self.inputs(1, context, chunk)
-        seq = torch.zeros_like(positions)
-
-        def step():
-            meta = AttentionMetadata(positions, slots, seq, tables)
-            self.model.compute_logits(self.model(ids, meta)[-1:])
-
-        step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3 / reps
+        return eager_ms(self.eager_step(1, context, chunk), reps)
 
     def graphs(self, pdl: bool, max_batch: int) -> DecodeGraphs:
         with_pdl(pdl)
@@ -198,6 +198,17 @@ class DecodeBench:
             self.runner.execute(step)
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3 / reps
+
+
+def eager_ms(step, reps: int) -> float:
+    """Wall time per call of `step` after one warm-up call."""
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / reps
 
 
 def transformers_step_ms(model, config, prompt_len: int = 1024, new_tokens: int = 8) -> float:
@@ -245,16 +256,7 @@ def profile_step(bench: DecodeBench, batch: int = 1, context: int = 1024) -> Non
     """The GPU kernels of one eager decode step, by total time, against the graph replay."""
     from torch.profiler import ProfilerActivity, profile
 
-    from workers.attention_metadata import AttentionMetadata
-
-    ids, positions, slots, tables = bench.inputs(batch, context, 1)
-    seq = torch.arange(batch, device=CUDA)
-    model = bench.model
-
-    @torch.no_grad()
-    def step():
-        model.compute_logits(model(ids, AttentionMetadata(positions, slots, seq, tables)))
-
+    step = bench.eager_step(batch, context, 1)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -307,9 +309,6 @@ def main() -> None:
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC,"
         f" commit {commit}, torch {torch.__version__}"
     )
-    bw = copy_bandwidth_gbs()
-    torch.cuda.empty_cache()
-    emit(f"copy bandwidth {bw:.0f} GB/s")
     if args.tp > 1:
         # Each layout in its own processes, one after the other, so each has the GPUs to itself.
         steps, tp_steps = run_tp(1, args.layers), run_tp(args.tp, args.layers)
@@ -324,6 +323,9 @@ def main() -> None:
                 f" | {steps[key] / ms:.2f}x |"
             )
     else:
+        bw = copy_bandwidth_gbs()
+        torch.cuda.empty_cache()
+        emit(f"copy bandwidth {bw:.0f} GB/s")
         run_single(args, emit, bw)
     if args.out:
         with open(args.out, "w") as f:
@@ -400,8 +402,8 @@ def run_tp(world: int, layers: int) -> dict[tuple[int, int], float]:
     return times
 
 
-def run_single(args, emit, bw: float) -> dict[tuple[int, int], float]:
-    """The single-GPU tables; returns the PDL-on step ms per (batch, context)."""
+def run_single(args, emit, bw: float) -> None:
+    """The single-GPU tables."""
     config = slice_config(args.layers)
     model = build_model(config)
     emit(
@@ -411,7 +413,7 @@ def run_single(args, emit, bw: float) -> dict[tuple[int, int], float]:
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
     if args.profile:
         profile_step(bench)
-        return {}
+        return
     emit("\n| prefill chunk | after context | ms | prefill tok/s |")
     emit("|---|---|---|---|")
     for context in (0, 8192, 30720):
@@ -420,7 +422,7 @@ def run_single(args, emit, bw: float) -> dict[tuple[int, int], float]:
             f"| {args.prefill_chunk} | {context} | {ms:.1f} | {args.prefill_chunk / ms * 1e3:.0f} |"
         )
     if args.prefill_only:
-        return {}
+        return
     graphs = {pdl: bench.graphs(pdl, max(BATCHES)) for pdl in (True, False)}
 
     emit(
@@ -480,21 +482,8 @@ def run_single(args, emit, bw: float) -> dict[tuple[int, int], float]:
 
     os.environ["MTPSERVE_FORCE_REFERENCE"] = "1"
     try:
-        ids, positions, slots, tables = bench.inputs(1, 1024, 1)
-        from workers.attention_metadata import AttentionMetadata
-
-        meta = lambda: AttentionMetadata(positions, slots, torch.zeros_like(positions), tables)  # noqa
-        with torch.no_grad():
-            model.compute_logits(model(ids, meta()))
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(3):
-                model.compute_logits(model(ids, meta()))
-            torch.cuda.synchronize()
-        emit(
-            f"twins (pure torch, eager), b=1, 1k: {(time.perf_counter() - start) * 1e3 / 3:.1f}"
-            " ms/step"
-        )
+        twins_ms = eager_ms(bench.eager_step(1, 1024, 1), reps=3)
+        emit(f"twins (pure torch, eager), b=1, 1k: {twins_ms:.1f} ms/step")
     finally:
         os.environ.pop("MTPSERVE_FORCE_REFERENCE", None)
 
@@ -504,7 +493,6 @@ def run_single(args, emit, bw: float) -> dict[tuple[int, int], float]:
             f"transformers generate, b=1, 1k prompt: {hf_ms:.1f} ms/step; ours (graph, PDL) "
             f"{per_layer[(1, 1024)]:.2f} ms/step: {hf_ms / per_layer[(1, 1024)]:.1f}x"
         )
-    return per_layer
 
 
 if __name__ == "__main__":

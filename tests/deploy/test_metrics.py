@@ -129,4 +129,3 @@ def test_token_counters_and_latency_histograms_reach_prometheus(
         assert buckets and buckets[-1][0] == math.inf
         assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
         assert buckets[-1][1] == after[f"ray_mtpserve_{name}_count"]
-
