@@ -41,8 +41,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
-        if self.num_draft_tokens < 0:
-            raise ValueError("num_draft_tokens must be >= 0")
+        from workers.kv_cache import MAX_LOOKAHEAD_SLOTS
+
+        if not 0 <= self.num_draft_tokens <= MAX_LOOKAHEAD_SLOTS + 1:
+            raise ValueError(f"num_draft_tokens must be in 0..{MAX_LOOKAHEAD_SLOTS + 1}")
         from workers.model import check_indexer_numerics
 
         check_indexer_numerics(self.indexer_numerics)  # here, not after the workers load weights

@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import torch
 
+# Slots a sequence may hold past max_model_len: the MTP draft steps' lookahead (k - 1 slots).
+MAX_LOOKAHEAD_SLOTS = 16
+
+
+def max_blocks_per_seq(max_model_len: int, block_size_tokens: int) -> int:
+    """Block-table entries one sequence may need, lookahead included."""
+    return -(-(max_model_len + MAX_LOOKAHEAD_SLOTS) // block_size_tokens)
+
 
 def cache_bytes_per_block(
     config, block_size_tokens: int, dtype: torch.dtype, with_mtp: bool

@@ -17,7 +17,7 @@ from parallel.collectives import tp_broadcast
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
-from workers.kv_cache import allocate_kv_caches
+from workers.kv_cache import allocate_kv_caches, max_blocks_per_seq
 from workers.mtp_proposer import draft_chain
 from workers.sampler import token_logprobs, verify_and_sample
 from workers.topk_share import DraftTopkShare
@@ -63,8 +63,7 @@ class ModelRunner:
         if device.type == "cuda" and cuda_graph_max_batch > 0:
             from workers.cuda_graph import DecodeGraphs, ProposeGraphs
 
-            # Room for the verify's drafts and the draft steps' lookahead past max_model_len.
-            max_blocks = -(-(max_model_len + 16) // block_size_tokens)
+            max_blocks = max_blocks_per_seq(max_model_len, block_size_tokens)
             self.graphs = DecodeGraphs(model, cuda_graph_max_batch, max_blocks, device)
             if model.mtp is not None:
                 self.propose_graphs = ProposeGraphs(model, self.topk_share, self.graphs)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.batch import StepInput, StepOutput
-from workers.kv_cache import cache_bytes_per_block
+from workers.kv_cache import cache_bytes_per_block, max_blocks_per_seq
 from workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class Worker:
     ) -> int:
         """Blocks for max_num_seqs full-length sequences, or what free memory allows if less;
         never fewer than one full-length sequence needs."""
-        per_seq = -(-(max_model_len + 16) // block_size_tokens)  # + drafts and lookahead
+        per_seq = max_blocks_per_seq(max_model_len, block_size_tokens)
         wanted = max_num_seqs * per_seq + 1
         if self.device.type != "cuda":
             return min(wanted, CPU_DEFAULT_KV_BLOCKS)

@@ -10,6 +10,7 @@ from cluster.config import EngineConfig
     [
         ({"tp_size": 4, "ep_size": 3}, "must divide"),
         ({"num_draft_tokens": -1}, "num_draft_tokens"),
+        ({"num_draft_tokens": 18}, "num_draft_tokens"),  # past the caches' lookahead room
         ({"indexer_numerics": "fp4"}, "indexer numerics"),
     ],
 )
