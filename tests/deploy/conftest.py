@@ -106,6 +106,7 @@ def async_client(serve_url):
 
 
 BIN_DIR = Path(sys.executable).parent
+MTPSERVE = str(BIN_DIR / "mtpserve")
 
 
 def processes_under(root: str) -> list[tuple[int, str]]:
@@ -234,3 +235,11 @@ def ray_head(
                 continue
         kill_processes_under(temp_dir)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def offline_llm(tiny_model_dir):
+    """The reference the served paths must match: the offline engine on the same checkpoint."""
+    from cluster.llm import LLM
+
+    return LLM(tiny_model_dir, device="cpu")

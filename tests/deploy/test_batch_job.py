@@ -53,8 +53,7 @@ def _job(address: str, env: dict, *args: str, check: bool = True) -> subprocess.
     )
 
 
-def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path):
-    from cluster.llm import LLM
+def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path, offline_llm):
     from cluster.sampling_params import SamplingParams
 
     address, env = job_head
@@ -120,7 +119,7 @@ def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path
     assert bad and {r["id"] for r in bad} == {"line-4"} and "invalid JSON" in bad[0]["error"]
 
     # Values: every row equals offline greedy decoding of its prompt.
-    reference = LLM(tiny_model_dir, device="cpu").generate(
+    reference = offline_llm.generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     )
     by_id = {r["id"]: r for r in good}

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import MTPSERVE
 
 pytestmark = pytest.mark.timeout(180)
-
-MTPSERVE = str(Path(sys.executable).parent / "mtpserve")
 
 
 def test_make_tiny_model_is_deterministic(tmp_path):
@@ -26,8 +23,7 @@ def test_make_tiny_model_is_deterministic(tmp_path):
     assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
-def test_generate_json_with_mtp_equals_greedy_without(tiny_model_dir):
-    from cluster.llm import LLM
+def test_generate_json_with_mtp_equals_greedy_without(tiny_model_dir, offline_llm):
     from cluster.sampling_params import SamplingParams
 
     prompt = "Once upon a time"
@@ -55,9 +51,7 @@ def test_generate_json_with_mtp_equals_greedy_without(tiny_model_dir):
         timeout=150,
     )
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    [reference] = LLM(tiny_model_dir, device="cpu").generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=12)
-    )
+    [reference] = offline_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
     # MTP is lossless under greedy decoding: same tokens as plain decoding.
     assert result["prompt_token_ids"] == reference.prompt_token_ids
     assert result["completion_token_ids"] == reference.token_ids

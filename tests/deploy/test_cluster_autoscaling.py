@@ -130,10 +130,11 @@ def _serve(head, *args: str) -> None:
     )
 
 
-def test_replica_that_does_not_fit_adds_a_gpu_node_and_idle_node_goes(tiny_model_dir, tmp_path):
+def test_replica_that_does_not_fit_adds_a_gpu_node_and_idle_node_goes(
+    tiny_model_dir, tmp_path, offline_llm
+):
     from ray._private.services import get_node_ip_address
 
-    from cluster.llm import LLM
     from cluster.sampling_params import SamplingParams
 
     gcs_port = free_port()
@@ -182,9 +183,7 @@ def test_replica_that_does_not_fit_adds_a_gpu_node_and_idle_node_goes(tiny_model
             timeout=60,
             json={"model": tiny_model_dir, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0},
         )
-        [reference] = LLM(tiny_model_dir, device="cpu").generate(
-            [PROMPT], SamplingParams(temperature=0.0, max_tokens=6)
-        )
+        [reference] = offline_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6))
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == reference.text
 

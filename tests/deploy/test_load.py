@@ -28,8 +28,9 @@ def _load_test_module():
     return module
 
 
-def test_load_has_no_errors_matches_offline_and_frees_kv(serve_url, served_model, tiny_model_dir):
-    from cluster.llm import LLM
+def test_load_has_no_errors_matches_offline_and_frees_kv(
+    serve_url, served_model, tiny_model_dir, offline_llm
+):
     from cluster.sampling_params import SamplingParams
 
     load_test = _load_test_module()
@@ -53,7 +54,7 @@ def test_load_has_no_errors_matches_offline_and_frees_kv(serve_url, served_model
     assert kv["num_free_blocks"] == kv["num_total_blocks"] > 0, kv
 
     # Greedy: one text per prompt however requests were batched, and it is the offline one.
-    references = LLM(tiny_model_dir, device="cpu").generate(
+    references = offline_llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     )
     assert texts, "no completion recorded"

@@ -23,13 +23,6 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture(scope="module")
-def offline_llm(tiny_model_dir):
-    from cluster.llm import LLM
-
-    return LLM(tiny_model_dir, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

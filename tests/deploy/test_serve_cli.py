@@ -13,17 +13,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, kill_processes_under, processes_under
+from conftest import MTPSERVE, free_port, kill_processes_under, processes_under
 
 pytestmark = pytest.mark.timeout(240)
 
-MTPSERVE = str(Path(sys.executable).parent / "mtpserve")
 URL_LINE = re.compile(r"mtpserve: serving an OpenAI-compatible API at (http://\S+/v1)")
 
 
@@ -37,10 +35,11 @@ def _wait_for_url(server: subprocess.Popen, log_path: Path, timeout_s: float) ->
     raise AssertionError("no URL printed:\n" + log_path.read_text(errors="replace")[-4000:])
 
 
-def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(tiny_model_dir, tmp_path):
+def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
+    tiny_model_dir, tmp_path, offline_llm
+):
     import openai
 
-    from cluster.llm import LLM
     from cluster.sampling_params import SamplingParams
 
     ray_root = tempfile.mkdtemp(prefix="mtpserve-cli-", dir="/tmp")  # short: unix socket paths
@@ -76,9 +75,7 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(tiny_model_di
         completion = client.completions.create(
             model=model.id, prompt=prompt, max_tokens=8, temperature=0.0
         )
-        [reference] = LLM(tiny_model_dir, device="cpu").generate(
-            [prompt], SamplingParams(temperature=0.0, max_tokens=8)
-        )
+        [reference] = offline_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
         assert completion.choices[0].text == reference.text
         assert completion.usage.completion_tokens == len(reference.token_ids) == 8
         assert completion.usage.prompt_tokens == len(reference.prompt_token_ids)

@@ -78,10 +78,11 @@ def _wait_for_replicas(dashboard_url: str, count: int, timeout_s: float) -> floa
     return time.monotonic() - started
 
 
-def test_cpu_config_deploys_and_answers_greedy_like_offline(deployed_cpu_config, tiny_model_dir):
+def test_cpu_config_deploys_and_answers_greedy_like_offline(
+    deployed_cpu_config, tiny_model_dir, offline_llm
+):
     import openai
 
-    from cluster.llm import LLM
     from cluster.sampling_params import SamplingParams
 
     url, _, _ = deployed_cpu_config
@@ -90,9 +91,7 @@ def test_cpu_config_deploys_and_answers_greedy_like_offline(deployed_cpu_config,
     response = client.completions.create(
         model=model.id, prompt=PROMPT, max_tokens=8, temperature=0.0
     )
-    [reference] = LLM(tiny_model_dir, device="cpu").generate(
-        [PROMPT], SamplingParams(temperature=0.0, max_tokens=8)
-    )
+    [reference] = offline_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8))
     assert response.choices[0].text == reference.text
     assert response.usage.completion_tokens == 8
     health = httpx.get(f"{url}/health", timeout=30).json()
