@@ -84,9 +84,7 @@ def test_gpu_graphed_proposals_match_eager_on_the_trained_model():
     from workers.default_model import default_model_path
 
     model = default_model_path()
-    from cluster.llm import LLM as _LLM
-
-    llm = _LLM(model, device="cuda", dtype="float32", enforce_eager=True)
+    llm = LLM(model, device="cuda", dtype="float32", enforce_eager=True)
     prompts = [
         llm.tokenizer.encode("import os\nimport sys\n\ndef main(argv):\n    ")[:64],
         llm.tokenizer.encode("class Parser:\n    def __init__(self, text):\n")[:64],
@@ -94,7 +92,7 @@ def test_gpu_graphed_proposals_match_eager_on_the_trained_model():
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     stats = {}
     for eager in (True, False):
-        llm = _LLM(
+        llm = LLM(
             model,
             device="cuda",
             dtype="float32",
