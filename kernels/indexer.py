@@ -51,7 +51,11 @@ def topk_select_reference(logits: torch.Tensor, positions: torch.Tensor, topk: i
     width = logits.shape[1]
     past = torch.arange(width, device=logits.device)[None, :] > positions[:, None]
     k = min(topk, width)
-    idx = logits.masked_fill(past, float("-inf")).topk(k, dim=-1).indices.to(torch.int32)
+    # A stable descending sort: ties go to the earlier position, whatever the row's width.
+    # (torch.topk breaks ties by where they sit in its work, which moves with the width: a verify
+    # row padded to the batch's longest sequence picked other tied keys than a decode row did.)
+    order = logits.masked_fill(past, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    idx = order.indices[:, :k].to(torch.int32)
     idx = idx.masked_fill_(past[:, :k], -1)  # rank r exists iff r <= p
     return torch.nn.functional.pad(idx, (0, topk - k), value=-1)
 
