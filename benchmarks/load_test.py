@@ -31,8 +31,10 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:  # imported where used: bench_serve reuses this module where httpx is absent
+    import httpx
 
 
 @dataclass
@@ -115,6 +117,8 @@ async def stream_completion(
 
 async def http_ttft(url: str, model: str, prompts: list[list[int]]) -> list[float]:
     """Sequential max_tokens=1 requests on an idle server; one warm-up request first."""
+    import httpx
+
     async with httpx.AsyncClient(timeout=120) as http:
         await stream_completion(http, url, model, prompts[0], 1)
         return [(await stream_completion(http, url, model, p, 1))[0] for p in prompts]
@@ -131,6 +135,8 @@ async def run_load(
 ) -> LoadResult:
     """`concurrency` closed-loop clients for `duration_s`. `outputs`, if given, collects each
     prompt index's completion texts (greedy: one text per prompt is expected)."""
+    import httpx
+
     result = LoadResult(concurrency=concurrency, duration_s=0.0)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     started = time.perf_counter()
@@ -168,6 +174,8 @@ async def run_load(
 async def wait_for_idle_full_kv(url: str, timeout_s: float) -> dict:
     """Polls `GET /health` until no request runs or waits and every KV block is free; returns
     the last engine stats (the caller checks them: on timeout they show what was left)."""
+    import httpx
+
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=30) as http:
         while True:
@@ -295,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_ttfts = asyncio.run(
         engine_ttft({"model": model, "device": args.device, **engine}, prompts)
     )
+
+    import httpx
 
     started_here = args.url is None
     if started_here:

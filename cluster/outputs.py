@@ -5,7 +5,7 @@ which the scheduler consumes as it crosses the actor boundary, with no copy into
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -137,5 +137,22 @@ def make_request_output(request: Request) -> RequestOutput:
         num_prompt_tokens=len(request.prompt_token_ids),
         spec=request.spec_stats,
         error=request.error,
+        new_logprobs=new_logprobs,
+    )
+
+
+def join_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: the last one's cumulative fields, every
+    delta concatenated in order (what a stream that fell behind the engine sends)."""
+    last = outputs[-1]
+    if len(outputs) == 1:
+        return last
+    new_logprobs = None
+    if last.new_logprobs is not None:
+        new_logprobs = [entry for out in outputs for entry in (out.new_logprobs or [])]
+    return replace(
+        last,
+        new_token_ids=[t for out in outputs for t in out.new_token_ids],
+        new_text="".join(out.new_text for out in outputs),
         new_logprobs=new_logprobs,
     )

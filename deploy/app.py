@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve import Application
 
 from deploy.ingress import OpenAIIngress
-from deploy.model_server import ModelServer
+from deploy.model_server import DEFAULT_STREAM_CHUNKS_PER_S, ModelServer
 
 MODEL_SERVER_NAME = "ModelServer"
 INGRESS_NAME = "OpenAIIngress"
@@ -51,6 +51,11 @@ class AppArgs(BaseModel):
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: dict[str, Any] | None = None
+    # Streamed chunks per second a model-server replica sends in all (a stream's chunks are
+    # spaced by streams / this; 0: one chunk per engine step). See deploy/model_server.py.
+    stream_chunks_per_s: float = Field(DEFAULT_STREAM_CHUNKS_PER_S, ge=0)
+    # One log line per request in each replica (Serve's access log).
+    access_log: bool = False
 
     @property
     def num_worker_ranks(self) -> int:
@@ -104,11 +109,13 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=20,
+        logging_config={"enable_access_log": args.access_log},
         **scaling,
     )
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_NAME,
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
+        logging_config={"enable_access_log": args.access_log},
     )
-    return ingress.bind(model_server.bind(engine_config_dict(args)))
+    return ingress.bind(model_server.bind(engine_config_dict(args), args.stream_chunks_per_s))

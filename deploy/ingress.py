@@ -25,9 +25,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
-from cluster.outputs import RequestOutput
 from deploy import openai_serving as serving
-from deploy.messages import GenerateFailure, GenerateRequest, ModelInfo
+from deploy.messages import GenerateChunk, GenerateFailure, GenerateRequest, ModelInfo
 from deploy.openai_protocol import (
     ChatChunkChoice,
     ChatCompletionChoice,
@@ -269,16 +268,18 @@ class OpenAIIngress:
                 getattr(exc, "param", None),
             )
         request_id = random_id(id_prefix)
-        opened = await self._open(request_id, plans)
+        opened = await self._open(request_id, plans, bool(request.stream))
         if isinstance(opened, JSONResponse):
             return opened
         return request_id, plans, self._merge(*opened)
 
-    async def _open(self, request_id: str, plans: list[serving.ChoicePlan]):
+    async def _open(self, request_id: str, plans: list[serving.ChoicePlan], stream: bool):
         """Start one engine request per choice and wait for each one's first item."""
         streams = [
             self._stream_server.generate.remote(
-                GenerateRequest(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.params)
+                GenerateRequest(
+                    f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.params, stream
+                )
             )
             for plan in plans
         ]
@@ -306,14 +307,14 @@ class OpenAIIngress:
 
     async def _merge(
         self, streams, firsts
-    ) -> AsyncIterator[tuple[int, RequestOutput | GenerateFailure]]:
+    ) -> AsyncIterator[tuple[int, GenerateChunk | GenerateFailure]]:
         """Interleave the choices' streams as items arrive: yields (choice index, item)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream, first) -> None:
             try:
                 await queue.put((index, first))
-                if not (isinstance(first, RequestOutput) and first.finished):
+                if not (isinstance(first, GenerateChunk) and first.finished):
                     async for item in stream:
                         await queue.put((index, item))
             except asyncio.CancelledError:

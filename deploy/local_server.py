@@ -27,7 +27,12 @@ def deploy(args: AppArgs, host: str, port: int) -> str:
     """Deploy the app on the connected Ray; returns the base URL."""
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port})
+    # The proxy's access log too: a log line per request costs the proxy ~20% of its CPU under
+    # load on the 2-core box (measured with benchmarks/bench_serve.py).
+    serve.start(
+        http_options={"host": host, "port": port},
+        logging_config={"enable_access_log": args.access_log},
+    )
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown_host}:{port}"

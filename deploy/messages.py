@@ -9,6 +9,7 @@ before it sends the first byte, so the mapping from engine error to status lives
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from cluster.sampling_params import SamplingParams
 
@@ -18,6 +19,23 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # False: the caller wants the whole completion only, and the model server sends it as one
+    # chunk (or one failure) when the request finishes.
+    stream: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateChunk:
+    """What one engine request produced since the previous chunk: deltas only, so a message
+    stays small however long the prompt or the completion (a `RequestOutput` carries the prompt
+    and everything generated so far). Each token, character and logprob is in exactly one chunk;
+    the last chunk has `finished`."""
+
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    new_logprobs: list[dict[str, Any]] | None = None  # one entry per new token, when asked
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cluster.outputs import RequestOutput
 from cluster.sampling_params import InvalidRequestError, SamplingParams
+from deploy.messages import GenerateChunk
 from deploy.openai_protocol import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,
@@ -35,23 +35,21 @@ class ChoicePlan:
 
 @dataclasses.dataclass
 class ChoiceResult:
-    """What one choice has produced so far."""
+    """What one choice has produced so far: the chunks' deltas, joined."""
 
     index: int
     text: str = ""
-    num_prompt_tokens: int = 0
     completion_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
 
-    def update(self, out: RequestOutput) -> None:
-        self.text = out.text
-        self.num_prompt_tokens = out.num_prompt_tokens
-        self.completion_token_ids = list(out.token_ids)
-        if out.logprobs is not None:  # cumulative over the completion
-            self.logprobs = list(out.logprobs)
-        if out.finished:
-            self.finish_reason = out.finish_reason
+    def update(self, chunk: GenerateChunk) -> None:
+        self.text += chunk.new_text
+        self.completion_token_ids.extend(chunk.new_token_ids)
+        if chunk.new_logprobs:
+            self.logprobs.extend(chunk.new_logprobs)
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
 
 
 def completion_prompt_token_ids(request: CompletionRequest, tokenizer) -> list[list[int]]:

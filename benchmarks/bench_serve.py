@@ -1,0 +1,524 @@
+"""Tokens/s and latency of the offline engine and of the real Serve HTTP path, in one run.
+
+    python benchmarks/bench_serve.py [--model DIR | --default-model] [--tp 1] [--num-draft-tokens 0]
+        [--concurrency 1,8,32,128] [--max-tokens 128] [--prompt-len 32] [--rounds 2]
+        [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--json PATH]
+
+Same checkpoint, device and engine settings for every path (the tiny random checkpoint unless
+told otherwise). Each concurrency level is `concurrency` closed-loop clients sending greedy
+completions of exactly `--max-tokens` tokens (ignore_eos) on token-id prompts, `max(rounds x
+concurrency, --min-requests)` requests in all:
+
+  offline  `LLMEngine.step()` driven in this process, a new request added the moment one finishes
+           (what `LLM.generate` runs, with the clients' closed loop and no transport at all);
+  stream   `POST /v1/completions` with `stream: true` through Serve's HTTP proxy, the ingress and
+           the model server (what `mtpserve serve` deploys), over real HTTP on loopback;
+  full     the same, not streamed.
+
+The offline engine runs first and is shut down before the Serve app starts (one engine on the
+device at a time). Each path gets one untimed burst first (warm-up). Columns: output tokens/s over
+the level's wall time, its ratio to offline at the same concurrency, time to first token (stream:
+first text chunk; offline: first step output with a token) and inter-token latency (gap between
+a request's consecutive outputs that carried text; an MTP round's tokens arrive together) at
+p50/p99, and request latency p50. The last line says whether every prompt's text was the same on
+every path (greedy). Needs `httpx`, else `aiohttp` (the H200 machine's Ray bundle relies on the
+machine's aiohttp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.load_test import _free_port, make_prompts, model_vocab_size, percentile
+
+
+@dataclass
+class LevelResult:
+    """One path at one concurrency level."""
+
+    path: str  # "offline" | "stream" | "full"
+    concurrency: int
+    num_requests: int = 0
+    num_errors: int = 0
+    num_output_tokens: int = 0
+    wall_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    texts: dict[int, str] = field(default_factory=dict)  # prompt index -> a completion's text
+    mismatched_prompts: set[int] = field(default_factory=set)  # prompts with differing texts
+    first_errors: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.wall_s if self.wall_s else 0.0
+
+    def record_text(self, prompt_index: int, text: str) -> None:
+        previous = self.texts.setdefault(prompt_index, text)
+        if previous != text:
+            self.mismatched_prompts.add(prompt_index)
+
+    def record_error(self, message: str) -> None:
+        self.num_errors += 1
+        if len(self.first_errors) < 3:
+            self.first_errors.append(message)
+
+    def summary(self) -> dict:
+        def q(values: list[float], p: float) -> float | None:
+            return percentile(values, p) if values else None
+
+        return {
+            "path": self.path,
+            "concurrency": self.concurrency,
+            "num_requests": self.num_requests,
+            "num_errors": self.num_errors,
+            "num_output_tokens": self.num_output_tokens,
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_p50_s": q(self.ttft_s, 50),
+            "ttft_p99_s": q(self.ttft_s, 99),
+            "itl_p50_s": q(self.itl_s, 50),
+            "itl_p99_s": q(self.itl_s, 99),
+            "latency_p50_s": q(self.latency_s, 50),
+            "first_errors": self.first_errors,
+        }
+
+
+def num_requests_for(concurrency: int, rounds: int, min_requests: int) -> int:
+    return max(rounds * concurrency, min_requests)
+
+
+# --- offline ---------------------------------------------------------------------------------
+
+
+def run_offline(engine, prompts, concurrency: int, num_requests: int, max_tokens: int):
+    """`concurrency` requests in flight on an `LLMEngine`, refilled as they finish."""
+    from cluster.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    result = LevelResult("offline", concurrency)
+    to_send = deque(range(num_requests))
+    added_s: dict[str, float] = {}
+    last_s: dict[str, float] = {}
+    prompt_of: dict[str, int] = {}
+    started = time.perf_counter()
+    while to_send or engine.has_unfinished:
+        while to_send and len(added_s) < concurrency:
+            index = to_send.popleft()
+            request_id = f"offline-{concurrency}-{index}"
+            prompt_of[request_id] = index % len(prompts)
+            added_s[request_id] = time.perf_counter()
+            engine.add_request(prompts[prompt_of[request_id]], params, request_id)
+            result.num_requests += 1
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            rid = out.request_id
+            if out.new_token_ids:
+                if rid in last_s:
+                    result.itl_s.append(now - last_s[rid])
+                else:
+                    result.ttft_s.append(now - added_s[rid])
+                last_s[rid] = now
+            if out.finished:
+                result.num_output_tokens += len(out.token_ids)
+                result.latency_s.append(now - added_s.pop(rid))
+                last_s.pop(rid, None)
+                result.record_text(prompt_of.pop(rid), out.text)
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+# --- HTTP clients ----------------------------------------------------------------------------
+
+
+class HttpxClient:
+    def __init__(self, base_url: str, concurrency: int):
+        import httpx
+
+        limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+        self._http = httpx.AsyncClient(
+            base_url=base_url, timeout=httpx.Timeout(600, connect=30), limits=limits
+        )
+
+    async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
+        response = await self._http.post(path, json=body)
+        return response.status_code, response.json()
+
+    async def post_lines(self, path: str, body: dict):
+        async with self._http.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]}")
+            async for line in response.aiter_lines():
+                yield line
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+class AiohttpClient:
+    def __init__(self, base_url: str, concurrency: int):
+        import aiohttp
+
+        self._base = base_url
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=concurrency + 4),
+            timeout=aiohttp.ClientTimeout(total=600, connect=30),
+        )
+
+    async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
+        async with self._http.post(self._base + path, json=body) as response:
+            return response.status, await response.json()
+
+    async def post_lines(self, path: str, body: dict):
+        async with self._http.post(self._base + path, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]}")
+            async for raw in response.content:
+                yield raw.decode().rstrip("\r\n")
+
+    async def close(self) -> None:
+        await self._http.close()
+
+
+def client_class(name: str):
+    if name == "auto":
+        try:
+            import httpx  # noqa: F401
+
+            name = "httpx"
+        except ImportError:
+            name = "aiohttp"
+    return {"httpx": HttpxClient, "aiohttp": AiohttpClient}[name]
+
+
+# --- HTTP paths ------------------------------------------------------------------------------
+
+
+async def one_streamed(http, model: str, prompt: list[int], max_tokens: int, result: LevelResult):
+    """-> (ttft_s, [gap_s], latency_s, completion tokens, text) of one streamed completion."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    chunk_s: list[float] = []
+    text: list[str] = []
+    usage = None
+    async for line in http.post_lines("/v1/completions", body):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: ") :])
+        if "error" in chunk:
+            raise RuntimeError(f"error event: {chunk['error']}")
+        if chunk.get("choices") and chunk["choices"][0]["text"]:
+            chunk_s.append(time.perf_counter())
+            text.append(chunk["choices"][0]["text"])
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+    done = time.perf_counter()
+    if not chunk_s or usage is None:
+        raise RuntimeError("stream ended without text or without usage")
+    gaps = [b - a for a, b in zip(chunk_s, chunk_s[1:])]
+    return chunk_s[0] - sent, gaps, done - sent, usage["completion_tokens"], "".join(text)
+
+
+async def one_full(http, model: str, prompt: list[int], max_tokens: int, result: LevelResult):
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    sent = time.perf_counter()
+    status, reply = await http.post_json("/v1/completions", body)
+    done = time.perf_counter()
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {str(reply)[:200]}")
+    text = reply["choices"][0]["text"]
+    return None, [], done - sent, reply["usage"]["completion_tokens"], text
+
+
+async def run_http(
+    client_cls, url, model, prompts, path: str, concurrency: int, num_requests: int, max_tokens
+) -> LevelResult:
+    one = one_streamed if path == "stream" else one_full
+    result = LevelResult(path, concurrency)
+    http = client_cls(url, concurrency)
+    next_index = iter(range(num_requests))
+
+    async def client() -> None:
+        for index in next_index:
+            prompt_index = index % len(prompts)
+            result.num_requests += 1
+            try:
+                ttft_s, gaps, latency_s, num_tokens, text = await one(
+                    http, model, prompts[prompt_index], max_tokens, result
+                )
+            except Exception as exc:  # noqa: BLE001 - every failure is counted
+                result.record_error(f"{type(exc).__name__}: {exc}")
+                continue
+            if num_tokens != max_tokens:
+                result.record_error(f"{num_tokens} tokens, expected {max_tokens}")
+                continue
+            result.num_output_tokens += num_tokens
+            if ttft_s is not None:
+                result.ttft_s.append(ttft_s)
+            result.itl_s.extend(gaps)
+            result.latency_s.append(latency_s)
+            result.record_text(prompt_index, text)
+
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    finally:
+        result.wall_s = time.perf_counter() - started
+        await http.close()
+    return result
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    offline = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["path"] == "offline"}
+    header = (
+        "| path | concurrency | requests | tok/s | x offline | TTFT p50 / p99 (ms) "
+        "| ITL p50 / p99 (ms) | latency p50 (ms) | errors |"
+    )
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = offline.get(r["concurrency"])
+        ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+        lines.append(
+            f"| {r['path']} | {r['concurrency']} | {r['num_requests']} | {r['tokens_per_s']:.0f} "
+            f"| {ratio} | {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} "
+            f"| {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} | {_ms(r['latency_p50_s'])} "
+            f"| {r['num_errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the tiny checkpoint)")
+    ap.add_argument("--default-model", action="store_true", help="the shipped default model")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--num-draft-tokens", type=int, default=0)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--concurrency", default="1,8,32,128", help="comma-separated levels")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--paths", default="offline,stream,full")
+    ap.add_argument("--client", default="auto", choices=["auto", "httpx", "aiohttp"])
+    ap.add_argument("--url", default=None, help="a server already serving the model (no deploy)")
+    ap.add_argument("--actor-num-cpus", type=float, default=0.25)
+    ap.add_argument(
+        "--stream-chunks-per-s",
+        type=float,
+        default=None,
+        help="the model server's streamed chunk budget (default: AppArgs')",
+    )
+    ap.add_argument("--json", default=None, help="write the rows and the run's facts here")
+    args = ap.parse_args(argv)
+
+    from workers.default_model import default_model_path, tiny_model_path
+
+    model = args.model or (default_model_path() if args.default_model else tiny_model_path())
+    levels = [int(c) for c in args.concurrency.split(",")]
+    paths = args.paths.split(",")
+    prompts = make_prompts(model_vocab_size(model), 64, args.prompt_len)
+    engine_options = {
+        "tp_size": args.tp,
+        "num_draft_tokens": args.num_draft_tokens,
+        "device": args.device,
+        "max_num_seqs": max(levels),
+        "max_queued_requests": max(256, 2 * max(levels)),
+        "actor_num_cpus": args.actor_num_cpus,
+    }
+    print(
+        f"bench_serve: model={model} tp={args.tp} k={args.num_draft_tokens} "
+        f"device={args.device} levels={levels} max_tokens={args.max_tokens} "
+        f"prompt_len={args.prompt_len}",
+        flush=True,
+    )
+    from deploy.local_server import deploy, shutdown, start_local_ray
+
+    if args.url is None:
+        start_local_ray("local")
+    rows: list[LevelResult] = []
+    try:
+        if "offline" in paths:
+            rows += _offline_levels(model, engine_options, prompts, levels, args)
+        http_paths = [p for p in paths if p in ("stream", "full")]
+        if http_paths:
+            rows += _http_levels(model, engine_options, prompts, levels, http_paths, args, deploy)
+    finally:
+        if args.url is None:
+            shutdown()
+
+    summaries = [r.summary() for r in rows]
+    print(table(summaries))
+    texts = _text_agreement(rows)
+    print(texts)
+    if args.json:
+        facts = {
+            "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": _commit(),
+            "device": _device_name(args.device),
+            "model": model,
+            "args": vars(args),
+            "texts": texts,
+        }
+        with open(args.json, "w") as f:
+            json.dump({**facts, "rows": summaries}, f, indent=1)
+    return 0 if all(r.num_errors == 0 for r in rows) else 1
+
+
+def _offline_levels(model, engine_options, prompts, levels, args) -> list[LevelResult]:
+    from cluster.config import EngineConfig
+    from cluster.engine import LLMEngine
+
+    config = dict(engine_options)
+    if args.tp > 1:
+        config["executor"] = "ray"
+    engine = LLMEngine(EngineConfig(model=model, **config))
+    rows = []
+    try:
+        run_offline(engine, prompts, max(levels), max(levels), min(args.max_tokens, 8))  # warm-up
+        for c in levels:
+            n = num_requests_for(c, args.rounds, args.min_requests)
+            rows.append(run_offline(engine, prompts, c, n, args.max_tokens))
+            print(f"  offline c={c}: {rows[-1].tokens_per_s:.0f} tok/s", flush=True)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        _empty_device_cache()
+    return rows
+
+
+def _http_levels(model, engine_options, prompts, levels, paths, args, deploy) -> list[LevelResult]:
+    from deploy.app import AppArgs
+
+    if args.url is None:
+        pacing = {}
+        if args.stream_chunks_per_s is not None:
+            pacing["stream_chunks_per_s"] = args.stream_chunks_per_s
+        engine = {
+            k: v
+            for k, v in engine_options.items()
+            if k not in ("tp_size", "num_draft_tokens", "device", "actor_num_cpus")
+        }
+        url = deploy(
+            AppArgs(
+                model=model,
+                tp_size=args.tp,
+                num_draft_tokens=args.num_draft_tokens,
+                device=args.device,
+                engine=engine,
+                actor_num_cpus=args.actor_num_cpus,
+                replica_num_cpus=args.actor_num_cpus,
+                ingress_num_cpus=args.actor_num_cpus,
+                **pacing,
+            ),
+            "127.0.0.1",
+            _free_port(),
+        )
+    else:
+        url = args.url.rstrip("/").removesuffix("/v1")
+    client_cls = client_class(args.client)
+    served = _served_model(url)
+    rows = []
+    for path in paths:
+        top = max(levels)
+        asyncio.run(  # warm-up
+            run_http(client_cls, url, served, prompts, path, top, top, min(args.max_tokens, 8))
+        )
+        for c in levels:
+            n = num_requests_for(c, args.rounds, args.min_requests)
+            row = asyncio.run(
+                run_http(client_cls, url, served, prompts, path, c, n, args.max_tokens)
+            )
+            rows.append(row)
+            print(f"  {path} c={c}: {row.tokens_per_s:.0f} tok/s", flush=True)
+            if row.first_errors:
+                print("   errors:", *row.first_errors, sep="\n    ", flush=True)
+    return rows
+
+
+def _served_model(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=60) as reply:
+        return json.loads(reply.read())["data"][0]["id"]
+
+
+def _text_agreement(rows: list[LevelResult]) -> str:
+    """Greedy text per prompt must be one text across paths, levels and repeats."""
+    texts: dict[int, set[str]] = {}
+    for r in rows:
+        for index, text in r.texts.items():
+            texts.setdefault(index, set()).add(text)
+        for index in r.mismatched_prompts:
+            texts.setdefault(index, set()).add(f"<differs within {r.path} c={r.concurrency}>")
+    differing = sorted(i for i, t in texts.items() if len(t) > 1)
+    if not differing:
+        return f"texts: every path gave each of {len(texts)} prompts the same text"
+    return f"texts: {len(differing)} of {len(texts)} prompts differ across paths: {differing[:10]}"
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _empty_device_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

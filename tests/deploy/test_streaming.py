@@ -1,0 +1,99 @@
+"""The streaming path under concurrency: streamed text is the non-streamed text is the offline
+text, whatever the pacing joined into one chunk; the pacing rule and the chunk join in closed
+form. Driven by the official `openai` client over real HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.outputs import RequestOutput, join_outputs
+from deploy.model_server import stream_interval_s, to_chunk
+
+pytestmark = pytest.mark.timeout(180)
+
+NUM_STREAMS, MAX_TOKENS = 8, 24
+PROMPTS = [f"def f{i}(x):" for i in range(NUM_STREAMS)]
+
+
+def test_concurrent_streams_equal_non_streamed_and_offline(
+    async_client, served_model, offline_llm
+):
+    from cluster.sampling_params import SamplingParams
+
+    model = served_model["id"]
+
+    async def streamed(prompt: str) -> tuple[str, int, str | None, int]:
+        stream = await async_client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, finish, tokens = [], None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return "".join(pieces), len([p for p in pieces if p]), finish, tokens
+
+    async def whole(prompt: str):
+        return await async_client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0
+        )
+
+    async def run():
+        # All at once, so the replica paces 8 streams and steps batch them together.
+        return await asyncio.gather(
+            asyncio.gather(*(streamed(p) for p in PROMPTS)),
+            asyncio.gather(*(whole(p) for p in PROMPTS)),
+        )
+
+    streams, wholes = asyncio.run(run())
+    offline = offline_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    for (text, num_chunks, finish, tokens), full, ref in zip(streams, wholes, offline):
+        assert text == full.choices[0].text == ref.text
+        assert finish == full.choices[0].finish_reason == ref.finish_reason
+        assert tokens == full.usage.completion_tokens == len(ref.token_ids)
+        assert 1 <= num_chunks <= tokens
+
+
+def _output(new_tokens, new_text, tokens, text, finished=False, logprobs=None) -> RequestOutput:
+    return RequestOutput(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        token_ids=tokens,
+        new_token_ids=new_tokens,
+        text=text,
+        new_text=new_text,
+        finished=finished,
+        finish_reason="length" if finished else None,
+        new_logprobs=logprobs,
+    )
+
+
+def test_join_outputs_keeps_every_delta_once_in_order():
+    a = _output([5], "a", [5], "a", logprobs=[{"token_id": 5}])
+    b = _output([6, 7], "", [5, 6, 7], "a", logprobs=[{"token_id": 6}, {"token_id": 7}])
+    c = _output([8], "bc", [5, 6, 7, 8], "abc", finished=True, logprobs=[{"token_id": 8}])
+    joined = join_outputs([a, b, c])
+    assert joined.new_token_ids == [5, 6, 7, 8] == joined.token_ids
+    assert joined.new_text == "abc" == joined.text
+    assert [e["token_id"] for e in joined.new_logprobs] == [5, 6, 7, 8]
+    assert joined.finished and joined.finish_reason == "length"
+    assert join_outputs([a]) is a
+    chunk = to_chunk(joined)
+    assert (chunk.new_token_ids, chunk.new_text, chunk.finished) == ([5, 6, 7, 8], "abc", True)
+
+
+def test_stream_interval_spreads_the_replica_budget_over_its_streams():
+    assert stream_interval_s(1, 400.0) == pytest.approx(0.0025)
+    assert stream_interval_s(16, 400.0) == pytest.approx(0.04)
+    assert stream_interval_s(128, 400.0) == pytest.approx(0.32)
+    assert stream_interval_s(16, 0.0) == 0.0  # no pacing: a chunk per step
