@@ -37,6 +37,9 @@ class EngineConfig:
     # Ray placement group strategy for the ranks (STRICT_PACK: one node; STRICT_SPREAD: one
     # rank per node). Ignored inside a Serve replica that has its own placement group.
     placement_strategy: str = "STRICT_PACK"
+    # How the Ray executor sends a step to the ranks: "graph" (a Ray Compiled Graph over
+    # shared-memory channels), "calls" (one actor call per rank), "auto" (graph on GPU ranks).
+    step_transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:

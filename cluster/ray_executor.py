@@ -3,9 +3,18 @@
 Start-up (each stage launched on every rank before any is awaited):
   placement group -> actors -> rank 0 opens the rendezvous store -> every rank joins the
   process group -> every rank loads its shard.
-Each step sends the same StepInput to every rank and returns rank 0's StepOutput. A rank that
-dies, raises, or hangs past `step_timeout_s` becomes a WorkerError; the engine then fails its
-requests and can be rebuilt (`shutdown` kills the actors and frees the placement group).
+Each step sends the same StepInput to every rank and returns rank 0's StepOutput: one message
+per step whatever the MTP draft length (a rank runs the verify and all its draft sub-steps in one
+`execute`). Two transports (`EngineConfig.step_transport`):
+  graph  a Ray Compiled Graph (`ray.dag`): the driver writes the step once into shared-memory
+         channels that every rank's execution loop reads; rank 0's output comes back the same way.
+  calls  one actor call per rank with the step inline in the call (no `ray.put`: a put plus the
+         ranks fetching the object cost 3.5 ms per step against 1.25 ms inline, two CPU ranks).
+Measured on the 2-core CPU box, an empty step's round trip to two ranks: 0.26 ms by graph, 1.25
+ms by calls. The graph's readers poll their channels, ~0.3 core per rank while idle there, so
+"auto" picks the graph on GPUs (cores to spare) and calls on CPU.
+A rank that dies, raises, or hangs past `step_timeout_s` becomes a WorkerError; the engine then
+fails its requests and can be rebuilt (`shutdown` kills the actors and frees the placement group).
 
 Inside a Serve replica that has a placement group, the ranks go into that group (bundles 1..N
 when the replica reserved one per rank after its own), so they start and die with the replica.
@@ -39,6 +48,15 @@ def ensure_ray(config: EngineConfig) -> None:
     num_cpus = max(os.cpu_count() or 1, int(config.tp_size * config.actor_num_cpus) + 1)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     logger.info("started a local Ray with %d CPUs", num_cpus)
+
+
+def resolve_step_transport(choice: str, device: str) -> str:
+    """"graph" | "calls"; "auto" is the graph on GPU ranks, calls on CPU ranks."""
+    if choice == "auto":
+        return "graph" if device == "cuda" else "calls"
+    if choice not in ("graph", "calls"):
+        raise ValueError(f"step_transport must be auto, graph or calls, got {choice!r}")
+    return choice
 
 
 def _wants_gpu(config: EngineConfig) -> bool:
@@ -97,15 +115,31 @@ class RayExecutor(Executor):
         # the engine may use only what the smallest rank can hold.
         self.num_kv_blocks = min(n for n, _ in loaded)
         self.has_mtp = loaded[0][1]
+        self.transport = resolve_step_transport(config.step_transport, device)
+        self._graph = None
+        if self.transport == "graph":
+            try:
+                self._graph = self._compile_graph()
+            except BaseException:
+                self.shutdown()
+                raise
         src = config.topk_src_rank
         logger.info(
-            "Ray executor: tp=%d ep=%d, %s, %d KV blocks, top-k from %s",
+            "Ray executor: tp=%d ep=%d, %s, %d KV blocks, top-k from %s, steps by %s",
             config.tp_size,
             config.ep_size,
             device,
             self.num_kv_blocks,
             "every rank" if src is None else f"rank {src}",
+            self.transport,
         )
+
+    def _compile_graph(self):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as step:
+            dag = MultiOutputNode([w.execute.bind(step) for w in self.workers])
+        return dag.experimental_compile(_submit_timeout=self.config.step_timeout_s)
 
     def _placement_group(self, ray, placement_group, num_gpus: int):
         """-> (placement group, bundle index of rank 0 or None for "any bundle")."""
@@ -164,11 +198,26 @@ class RayExecutor(Executor):
     def execute(self, step: StepInput) -> StepOutput:
         if not self.workers:
             raise WorkerError("the executor is shut down")
+        if self._graph is not None:
+            return self._execute_graph(step)
+        refs = [w.execute.remote(step) for w in self.workers]
+        return self._get_all(refs, self.config.step_timeout_s)[0]
+
+    def _execute_graph(self, step: StepInput) -> StepOutput:
         import ray
 
-        step_ref = ray.put(step)  # serialized once, read by every rank
-        refs = [w.execute.remote(step_ref) for w in self.workers]
-        return self._get_all(refs, self.config.step_timeout_s)[0]
+        try:
+            return ray.get(self._graph.execute(step), timeout=self.config.step_timeout_s)[0]
+        except ray.exceptions.RayChannelTimeoutError as e:
+            raise WorkerError(
+                f"a rank did not answer within {self.config.step_timeout_s:.0f}s: {e}"
+            ) from e
+        except ray.exceptions.RayActorError as e:
+            raise WorkerError(f"a worker actor died: {e}") from e
+        except ray.exceptions.RayTaskError as e:
+            raise WorkerError(f"a worker raised: {e}") from e
+        except ray.exceptions.RayChannelError as e:  # a reader or writer went away
+            raise WorkerError(f"the step channel failed: {e}") from e
 
     def check_health(self) -> None:
         if not self.workers:
@@ -179,12 +228,19 @@ class RayExecutor(Executor):
         import ray
 
         # Killing (not a graceful call): a rank may be stuck in a collective with a dead peer.
+        # The compiled graph's loops end with their actors; its teardown then finds them gone.
+        graph, self._graph = getattr(self, "_graph", None), None
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:
                 logger.debug("killing a worker actor", exc_info=True)
         self.workers = []
+        if graph is not None:
+            try:
+                graph.teardown()
+            except Exception:
+                logger.debug("tearing down the step graph", exc_info=True)
         if self._owned_pg is not None:
             try:
                 ray.util.remove_placement_group(self._owned_pg)
