@@ -75,6 +75,8 @@ class LLMEngine:
         if config.num_draft_tokens and not num_drafts:
             logger.warning("the checkpoint has no MTP layer: num_draft_tokens forced to 0")
         self.num_draft_tokens = num_drafts
+        # Before the engine exists for anyone: the first request must not pay for compilation.
+        self.warm_up = self.executor.warm_up(num_drafts, config.share_topk)
         num_blocks = self.executor.num_kv_blocks
         block_manager = BlockManager(num_blocks, config.block_size_tokens)
         capacity = block_manager.capacity_tokens

@@ -4,9 +4,13 @@ in-process (TP=1, the worker lives in this process) and Ray (workers are actors)
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
 
 from cluster.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from workers.batch import StepInput, StepOutput
+
+if TYPE_CHECKING:
+    from workers.worker import WarmUp
 
 
 class Executor(abc.ABC):
@@ -16,6 +20,11 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute(self, step: StepInput) -> StepOutput:
         """Run one step on every rank; rank 0's output. Raises WorkerError if a rank fails."""
+
+    @abc.abstractmethod
+    def warm_up(self, num_draft_tokens: int, share_topk: bool) -> WarmUp:
+        """Capture every rank's CUDA graphs (compiling their kernels) before serving; rank 0's
+        account of it. A no-op on eager (CPU) ranks."""
 
     @abc.abstractmethod
     def check_health(self) -> None:
@@ -65,6 +74,9 @@ class InProcessExecutor(Executor):
             return self.worker.execute(step)
         except Exception as e:  # the engine turns this into per-request errors
             raise WorkerError(f"step failed: {type(e).__name__}: {e}") from e
+
+    def warm_up(self, num_draft_tokens: int, share_topk: bool) -> WarmUp:
+        return self.worker.warm_up(num_draft_tokens, share_topk)
 
     def check_health(self) -> None:
         self.worker.ping()

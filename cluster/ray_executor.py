@@ -116,13 +116,7 @@ class RayExecutor(Executor):
         self.num_kv_blocks = min(n for n, _ in loaded)
         self.has_mtp = loaded[0][1]
         self.transport = resolve_step_transport(config.step_transport, device)
-        self._graph = None
-        if self.transport == "graph":
-            try:
-                self._graph = self._compile_graph()
-            except BaseException:
-                self.shutdown()
-                raise
+        self._graph = None  # compiled at the first step: after warm-up's plain calls
         src = config.topk_src_rank
         logger.info(
             "Ray executor: tp=%d ep=%d, %s, %d KV blocks, top-k from %s, steps by %s",
@@ -198,7 +192,12 @@ class RayExecutor(Executor):
     def execute(self, step: StepInput) -> StepOutput:
         if not self.workers:
             raise WorkerError("the executor is shut down")
-        if self._graph is not None:
+        if self.transport == "graph":
+            if self._graph is None:
+                try:
+                    self._graph = self._compile_graph()
+                except Exception as e:
+                    raise WorkerError(f"compiling the step graph failed: {e}") from e
             return self._execute_graph(step)
         refs = [w.execute.remote(step) for w in self.workers]
         return self._get_all(refs, self.config.step_timeout_s)[0]
@@ -218,6 +217,11 @@ class RayExecutor(Executor):
             raise WorkerError(f"a worker raised: {e}") from e
         except ray.exceptions.RayChannelError as e:  # a reader or writer went away
             raise WorkerError(f"the step channel failed: {e}") from e
+
+    def warm_up(self, num_draft_tokens: int, share_topk: bool):
+        """Every rank at once (a capture's collectives need them all)."""
+        refs = [w.warm_up.remote(num_draft_tokens, share_topk) for w in self.workers]
+        return self._get_all(refs, STARTUP_TIMEOUT_S)[0]
 
     def check_health(self) -> None:
         if not self.workers:

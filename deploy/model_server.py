@@ -101,10 +101,14 @@ class ModelServer:
         self._config = EngineConfig.from_dict(engine_config)
         started = time.perf_counter()
         self._engine = AsyncEngine(self._config)
+        warm_up = self._engine.engine.warm_up
+        # Serve marks the replica ready only after __init__ returns: the engine is warm by then.
         logger.info(
-            "engine for %s ready in %.1f s (%s)",
+            "engine for %s ready in %.1f s, of which warm-up %.1f s (%d CUDA graphs) (%s)",
             self._engine.model_name,
             time.perf_counter() - started,
+            warm_up.seconds,
+            warm_up.num_graphs,
             self._config,
         )
         self._metrics = EngineMetrics(self._engine.model_name)

@@ -48,6 +48,20 @@ def pdl_enabled(device: torch.device | None = None) -> bool:
     return _cuda_capability(index)[0] >= 9
 
 
+def ensure_triton_cache_dir() -> str:
+    """Triton's compiled kernels go to TRITON_CACHE_DIR when it is set, else to
+    `$XDG_CACHE_HOME/mtpserve/triton` (`~/.cache/...`), which this sets for the process (and the
+    processes it starts) before anything compiles: kernels compiled once load from there after a
+    restart instead of compiling again. Returns the directory."""
+    path = os.environ.get("TRITON_CACHE_DIR")
+    if not path:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "mtpserve", "triton")
+        os.environ["TRITON_CACHE_DIR"] = path
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def use_triton(device: torch.device) -> bool:
     """Triton kernels on CUDA devices unless forced off; the twins everywhere else.
 

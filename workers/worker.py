@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
+from kernels.platform import ensure_triton_cache_dir
 from workers.batch import StepInput, StepOutput
 from workers.kv_cache import cache_bytes_per_block, max_blocks_per_seq
 from workers.model_runner import ModelRunner
@@ -55,6 +57,29 @@ class WorkerSpec:
     indexer_numerics: str = "exact"
 
 
+@dataclass(frozen=True)
+class WarmUp:
+    """What `Worker.warm_up` did on one rank."""
+
+    num_graphs: int
+    seconds: float
+
+
+def warm_up_keys(
+    buckets: list[int], num_draft_tokens: int, share_topk: bool, with_proposals: bool
+) -> list[tuple[str, tuple]]:
+    """The graphs to capture, in the order every rank captures them: per batch bucket, the
+    decode step at 1 + k tokens per sequence (k = 0: plain decode; k > 0: a verify) and, with
+    MTP, the proposal after it (keys of DecodeGraphs and ProposeGraphs). Other token counts (a
+    verify whose drafts were cut near max_tokens) stay captured on first use."""
+    keys: list[tuple[str, tuple]] = []
+    for batch in buckets:
+        keys.append(("decode", (batch, 1 + num_draft_tokens)))
+        if num_draft_tokens and with_proposals:
+            keys.append(("propose", (batch, num_draft_tokens, share_topk)))
+    return keys
+
+
 class Worker:
     def __init__(
         self,
@@ -75,6 +100,7 @@ class Worker:
     ):
         from workers.loader import load_model
 
+        ensure_triton_cache_dir()  # before the first kernel compiles
         self.device = resolve_device(device, local_rank)
         # Measured on a 2-core box under load: a 10x64 @ 64x64 matmul took 0.9 ms with 2 intra-op
         # threads and 4 us with 1 (OpenMP threads fighting the other processes for the cores).
@@ -147,6 +173,30 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
+
+    def warm_up(self, num_draft_tokens: int, share_topk: bool) -> WarmUp:
+        """Compile and capture now, before the engine reports ready, what the first requests
+        would otherwise pay for: a CUDA graph of the decode step for every batch bucket of the
+        graph table, and of the MTP proposal after a verify (Triton compiles each kernel variant while the graph warms it
+        up, `DecodeGraphs.capture_graph`). Eager runners (CPU, `enforce_eager`) have nothing to
+        capture. Every rank calls this at once with the same arguments: a capture runs the
+        forward, whose collectives need every rank."""
+        started = time.perf_counter()
+        graphs, propose = self.runner.graphs, self.runner.propose_graphs
+        keys = warm_up_keys(
+            graphs.buckets if graphs is not None else [],
+            num_draft_tokens if self.has_mtp else 0,
+            share_topk,
+            propose is not None,
+        )
+        for kind, key in keys:
+            if kind == "decode" and key not in graphs.graphs:
+                graphs.capture(*key)
+            elif kind == "propose" and key not in propose.graphs:
+                propose._capture(*key)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return WarmUp(len(keys), time.perf_counter() - started)
 
     def ping(self) -> bool:
         return True

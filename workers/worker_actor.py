@@ -4,6 +4,7 @@ The executor drives the ranks through this lifecycle (each a remote call):
   open_store()          rank 0 only: the rendezvous store's "host:port"
   init_distributed(a)   every rank, all launched at once (see parallel.distributed)
   load()                build this rank's shard of the model and its KV cache
+  warm_up(k, share)     every rank at once: capture the CUDA graphs before the engine is ready
   execute(step)         every step, SPMD on all ranks; only rank 0 returns the StepOutput
   ping()                health
 
@@ -18,7 +19,7 @@ import os
 
 from parallel.distributed import destroy_distributed, init_distributed, open_store
 from workers.batch import StepInput, StepOutput
-from workers.worker import Worker, WorkerSpec, resolve_device
+from workers.worker import WarmUp, Worker, WorkerSpec, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class WorkerActor:
         """-> (num_kv_blocks this rank can hold, whether the checkpoint has an MTP layer)."""
         self.worker = Worker.from_spec(self.spec)
         return self.worker.num_kv_blocks, self.worker.has_mtp
+
+    def warm_up(self, num_draft_tokens: int, share_topk: bool) -> WarmUp:
+        return self.worker.warm_up(num_draft_tokens, share_topk)
 
     def execute(self, step: StepInput) -> StepOutput | None:
         output = self.worker.execute(step)

@@ -1,0 +1,104 @@
+"""Warm before ready: which graphs a rank captures, in which order, and that the engine has
+warmed its ranks up before anyone can reach it (CPU: nothing to capture, the path still runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.worker import WarmUp, Worker, warm_up_keys
+
+
+def test_warm_up_keys_cover_every_bucket_in_one_order():
+    assert warm_up_keys([1, 2, 4], 0, False, True) == [
+        ("decode", (1, 1)),
+        ("decode", (2, 1)),
+        ("decode", (4, 1)),
+    ]
+    assert warm_up_keys([1, 8], 3, True, True) == [
+        ("decode", (1, 4)),
+        ("propose", (1, 3, True)),
+        ("decode", (8, 4)),
+        ("propose", (8, 3, True)),
+    ]
+    assert warm_up_keys([1, 8], 2, False, False) == [("decode", (1, 3)), ("decode", (8, 3))]
+    assert warm_up_keys([], 2, False, True) == []  # eager: nothing
+
+
+class _Graphs:
+    """Stands in for DecodeGraphs / ProposeGraphs (CUDA only): records what is captured."""
+
+    def __init__(self, buckets, log):
+        self.buckets, self.graphs, self.log = buckets, {}, log
+
+    def capture(self, *key):
+        self.log.append(("decode", key))
+        self.graphs[key] = object()
+
+    def _capture(self, *key):
+        self.log.append(("propose", key))
+        self.graphs[key] = object()
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_dir):
+    return Worker(tiny_model_dir, device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+def test_cpu_worker_has_nothing_to_capture(worker):
+    assert worker.runner.graphs is None
+    assert worker.warm_up(2, True).num_graphs == 0
+
+
+def test_worker_captures_every_key_once(worker):
+    log: list = []
+    graphs, propose = worker.runner.graphs, worker.runner.propose_graphs
+    worker.runner.graphs = _Graphs([1, 2, 4], log)
+    worker.runner.propose_graphs = _Graphs([1, 2, 4], log)
+    try:
+        worker.runner.graphs.graphs[(2, 3)] = object()  # already captured: kept
+        result = worker.warm_up(2, False)
+        assert log == [k for k in warm_up_keys([1, 2, 4], 2, False, True) if k[1] != (2, 3)]
+        assert result.num_graphs == 6
+        log.clear()
+        worker.warm_up(2, False)
+        assert log == []  # a second warm-up captures nothing again
+    finally:
+        worker.runner.graphs, worker.runner.propose_graphs = graphs, propose
+
+
+def test_engine_is_warm_before_it_exists(tiny_model_dir, monkeypatch):
+    """The engine (so the Serve replica's __init__, so its readiness) returns only after the
+    warm-up ran, with the draft length the engine will use."""
+    from cluster.async_engine import AsyncEngine
+    from cluster.config import EngineConfig
+
+    calls = []
+
+    def record(self, num_draft_tokens, share_topk):
+        calls.append((num_draft_tokens, share_topk))
+        return WarmUp(0, 0.0)
+
+    monkeypatch.setattr(Worker, "warm_up", record)
+    import asyncio
+
+    config = EngineConfig(model=tiny_model_dir, dtype="float32", num_draft_tokens=2)
+    engine = AsyncEngine(config)
+    try:
+        assert calls == [(2, False)]
+        assert engine.engine.warm_up == WarmUp(0, 0.0)
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_triton_cache_dir_is_persistent_unless_set(tmp_path, monkeypatch):
+    import os
+
+    from kernels.platform import ensure_triton_cache_dir
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = ensure_triton_cache_dir()
+    assert path == str(tmp_path / "mtpserve" / "triton") == os.environ["TRITON_CACHE_DIR"]
+    assert os.path.isdir(path)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert ensure_triton_cache_dir() == str(tmp_path / "mine")
