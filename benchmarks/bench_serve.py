@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default=None, help="a server already serving the model (no deploy)")
     ap.add_argument("--actor-num-cpus", type=float, default=0.25)
     ap.add_argument(
+        "--colocate", action="store_true", help="one deployment: ingress and engine together"
+    )
+    ap.add_argument(
         "--stream-chunks-per-s",
         type=float,
         default=None,
@@ -455,6 +458,7 @@ def _http_levels(model, engine_options, prompts, levels, paths, args, deploy) ->
                 actor_num_cpus=args.actor_num_cpus,
                 replica_num_cpus=args.actor_num_cpus,
                 ingress_num_cpus=args.actor_num_cpus,
+                colocate=args.colocate,
                 **pacing,
             ),
             "127.0.0.1",

@@ -22,6 +22,7 @@ from deploy.model_server import DEFAULT_STREAM_CHUNKS_PER_S, ModelServer
 
 MODEL_SERVER_NAME = "ModelServer"
 INGRESS_NAME = "OpenAIIngress"
+SERVER_NAME = "OpenAIServer"  # the one deployment of a colocated app
 
 
 class AppArgs(BaseModel):
@@ -56,6 +57,10 @@ class AppArgs(BaseModel):
     stream_chunks_per_s: float = Field(DEFAULT_STREAM_CHUNKS_PER_S, ge=0)
     # One log line per request in each replica (Serve's access log).
     access_log: bool = False
+    # One deployment: the ingress with the engine in its process (deploy/openai_server.py);
+    # a request crosses one Ray hop, not two. Ingress fields other than max_ongoing_requests
+    # are unused then.
+    colocate: bool = False
 
     @property
     def num_worker_ranks(self) -> int:
@@ -100,6 +105,22 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         if args.autoscaling_config
         else {"num_replicas": args.num_replicas}
     )
+    if args.colocate:
+        from deploy.openai_server import OpenAIServer
+
+        server = serve.deployment(OpenAIServer).options(
+            name=SERVER_NAME,
+            max_ongoing_requests=args.ingress_max_ongoing_requests,
+            ray_actor_options={"num_cpus": args.replica_num_cpus},
+            placement_group_bundles=placement_bundles(args),
+            placement_group_strategy="STRICT_PACK",
+            health_check_period_s=10,
+            health_check_timeout_s=60,
+            graceful_shutdown_timeout_s=20,
+            logging_config={"enable_access_log": args.access_log},
+            **scaling,
+        )
+        return server.bind(engine_config_dict(args), args.stream_chunks_per_s)
     model_server = serve.deployment(ModelServer).options(
         name=MODEL_SERVER_NAME,
         max_ongoing_requests=args.model_server_max_ongoing_requests,

@@ -97,3 +97,63 @@ def test_stream_interval_spreads_the_replica_budget_over_its_streams():
     assert stream_interval_s(16, 400.0) == pytest.approx(0.04)
     assert stream_interval_s(128, 400.0) == pytest.approx(0.32)
     assert stream_interval_s(16, 0.0) == 0.0  # no pacing: a chunk per step
+
+
+@pytest.fixture(scope="module")
+def colocated_url(serve_url, tiny_model_dir) -> str:
+    """A second app beside the session's: ingress and engine in one deployment."""
+    from ray import serve
+
+    from deploy.app import build_app
+    from tests.deploy.conftest import app_args
+
+    serve.run(
+        build_app({**app_args(tiny_model_dir), "colocate": True}),
+        name="colocated",
+        route_prefix="/colocated",
+    )
+    yield f"{serve_url}/colocated"
+    serve.delete("colocated")
+
+
+def test_colocated_app_serves_the_same_text_streamed_or_not(colocated_url, offline_llm):
+    import openai
+
+    from cluster.sampling_params import SamplingParams
+
+    client = openai.OpenAI(base_url=f"{colocated_url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    [ref] = offline_llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16))
+    full = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    stream = client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert text == full.choices[0].text == ref.text
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, seed=1
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=-1)
+
+
+def test_colocated_disconnect_frees_blocks(colocated_url):
+    import time
+
+    import httpx
+
+    model = httpx.get(f"{colocated_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 2000, "stream": True}
+    body |= {"ignore_eos": True, "temperature": 0.0}
+    with httpx.stream("POST", f"{colocated_url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        engine = httpx.get(f"{colocated_url}/health", timeout=30).json()["engine"]
+        if engine["num_running"] == 0 and engine["num_free_blocks"] == engine["num_total_blocks"]:
+            break
+        assert time.monotonic() < deadline, engine
+        time.sleep(0.2)
