@@ -384,12 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.url is None:
         start_local_ray("local")
     rows: list[LevelResult] = []
+    first_ms: list[float] = []
     try:
         if "offline" in paths:
             rows += _offline_levels(model, engine_options, prompts, levels, args)
         http_paths = [p for p in paths if p in ("stream", "full")]
         if http_paths:
-            rows += _http_levels(model, engine_options, prompts, levels, http_paths, args, deploy)
+            http_rows, first_ms = _http_levels(
+                model, engine_options, prompts, levels, http_paths, args, deploy
+            )
+            rows += http_rows
     finally:
         if args.url is None:
             shutdown()
@@ -398,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summaries))
     texts = _text_agreement(rows)
     print(texts)
+    if first_ms:
+        print(
+            "first request after ready: "
+            + ", ".join(f"{ms:.1f}" for ms in first_ms)
+            + " ms (1st..10th, one at a time)"
+        )
     if args.json:
         facts = {
             "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),
@@ -407,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "args": vars(args),
             "texts": texts,
+            "first_requests_ms": first_ms,
         }
         with open(args.json, "w") as f:
             json.dump({**facts, "rows": summaries}, f, indent=1)
@@ -468,6 +479,16 @@ def _http_levels(model, engine_options, prompts, levels, paths, args, deploy) ->
         url = args.url.rstrip("/").removesuffix("/v1")
     client_cls = client_class(args.client)
     served = _served_model(url)
+    # The first requests after the server said it was ready, one at a time, before any warm-up
+    # of ours: compilation or graph capture left for them shows as a slow first one.
+    first = asyncio.run(run_http(client_cls, url, served, prompts, "full", 1, 10, args.max_tokens))
+    first_ms = [s * 1e3 for s in first.latency_s]
+    if len(first_ms) == 10:
+        print(
+            f"  first request after ready {first_ms[0]:.1f} ms, tenth {first_ms[9]:.1f} ms "
+            f"(x{first_ms[0] / first_ms[9]:.2f})",
+            flush=True,
+        )
     rows = []
     for path in paths:
         top = max(levels)
@@ -483,7 +504,7 @@ def _http_levels(model, engine_options, prompts, levels, paths, args, deploy) ->
             print(f"  {path} c={c}: {row.tokens_per_s:.0f} tok/s", flush=True)
             if row.first_errors:
                 print("   errors:", *row.first_errors, sep="\n    ", flush=True)
-    return rows
+    return rows, first_ms
 
 
 def _served_model(url: str) -> str:

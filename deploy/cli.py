@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     # Fractions so that a TP=2 engine, its coordinator and the ingress fit a 2-core laptop.
     serve.add_argument("--actor-num-cpus", type=float, default=0.5)
     serve.add_argument("--replica-num-cpus", type=float, default=0.5)
+    serve.add_argument(
+        "--colocate",
+        action="store_true",
+        help="one deployment: the HTTP ingress and the engine in one process (one Ray hop)",
+    )
 
     generate = commands.add_parser("generate", help="one offline completion (no HTTP)")
     _add_engine_args(generate)
@@ -129,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             actor_num_cpus=args.actor_num_cpus,
             replica_num_cpus=args.replica_num_cpus,
             ingress_num_cpus=0.25,
+            colocate=args.colocate,
         )
         serve_until_interrupted(app_args, args.host, args.port, address=args.address)
         return 0

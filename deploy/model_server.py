@@ -156,14 +156,11 @@ class ModelServer:
                 unsent.append(out)
                 if not (first or out.finished or request.stream):
                     continue  # not streamed: one chunk, the whole completion
-                if out.finished:
+                if out.finished:  # sent at once, whatever the interval
                     finished = True
                     self._record_finished(out, first_token_s)
-                elif not first:
-                    wait_s = next_chunk_s - time.monotonic()
-                    if wait_s > 0:  # the engine's outputs meanwhile join this chunk
-                        await asyncio.sleep(wait_s)
-                        continue
+                elif not first and time.monotonic() < next_chunk_s:
+                    continue  # joins the next chunk
                 joined = join_outputs(unsent)
                 unsent = []
                 if joined.new_token_ids:
