@@ -451,9 +451,11 @@ def _http_levels(model, engine_options, prompts, levels, paths, args, deploy) ->
     from deploy.app import AppArgs
 
     if args.url is None:
-        pacing = {}
+        pacing = {}  # only what was asked for: the script also runs against older commits
         if args.stream_chunks_per_s is not None:
             pacing["stream_chunks_per_s"] = args.stream_chunks_per_s
+        if args.colocate:
+            pacing["colocate"] = True
         engine = {
             k: v
             for k, v in engine_options.items()
@@ -469,7 +471,6 @@ def _http_levels(model, engine_options, prompts, levels, paths, args, deploy) ->
                 actor_num_cpus=args.actor_num_cpus,
                 replica_num_cpus=args.actor_num_cpus,
                 ingress_num_cpus=args.actor_num_cpus,
-                colocate=args.colocate,
                 **pacing,
             ),
             "127.0.0.1",

@@ -52,6 +52,14 @@ def measure(config, num_steps: int, num_empty: int) -> tuple[float, float]:
         return statistics.median(step_ms), statistics.median(empty_ms) if empty_ms else 0.0
     finally:
         engine.shutdown()
+        del engine
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next layout's ranks size their KV from free memory
 
 
 def main(argv: list[str] | None = None) -> int:
