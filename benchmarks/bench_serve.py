@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -149,7 +149,9 @@ class HttpxClient:
     def __init__(self, base_url: str, concurrency: int):
         import httpx
 
-        limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+        limits = httpx.Limits(
+            max_connections=concurrency + 4, max_keepalive_connections=concurrency
+        )
         self._http = httpx.AsyncClient(
             base_url=base_url, timeout=httpx.Timeout(600, connect=30), limits=limits
         )

@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
-        address="local", num_cpus=max(os.cpu_count() or 2, 2), include_dashboard=False,
+        address="local",
+        num_cpus=max(os.cpu_count() or 2, 2),
+        include_dashboard=False,
         log_to_driver=False,
     )
     base = EngineConfig(
@@ -115,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     for r in rows:
         empty = "-" if r["empty_ms"] is None else f"{r['empty_ms']:.3f}"
-        print(
-            f"| {r['layout']} | {r['step_ms']:.3f} | {r['step_ms'] - reference:+.3f} | {empty} |"
-        )
+        print(f"| {r['layout']} | {r['step_ms']:.3f} | {r['step_ms'] - reference:+.3f} | {empty} |")
     for transport in args.transports.split(","):
         tp1 = next(r for r in rows if r["layout"] == f"TP=1 Ray, {transport}")
         tp2 = next(r for r in rows if r["layout"] == f"TP=2 Ray, {transport}")

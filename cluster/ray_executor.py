@@ -51,7 +51,7 @@ def ensure_ray(config: EngineConfig) -> None:
 
 
 def resolve_step_transport(choice: str, device: str) -> str:
-    """"graph" | "calls"; "auto" is the graph on GPU ranks, calls on CPU ranks."""
+    """-> "graph" | "calls"; "auto" is the graph on GPU ranks, calls on CPU ranks."""
     if choice == "auto":
         return "graph" if device == "cuda" else "calls"
     if choice not in ("graph", "calls"):

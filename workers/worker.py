@@ -177,10 +177,10 @@ class Worker:
     def warm_up(self, num_draft_tokens: int, share_topk: bool) -> WarmUp:
         """Compile and capture now, before the engine reports ready, what the first requests
         would otherwise pay for: a CUDA graph of the decode step for every batch bucket of the
-        graph table, and of the MTP proposal after a verify (Triton compiles each kernel variant while the graph warms it
-        up, `DecodeGraphs.capture_graph`). Eager runners (CPU, `enforce_eager`) have nothing to
-        capture. Every rank calls this at once with the same arguments: a capture runs the
-        forward, whose collectives need every rank."""
+        graph table, and of the MTP proposal after a verify (Triton compiles each kernel
+        variant while the graph warms it up, `DecodeGraphs.capture_graph`). Eager runners
+        (CPU, `enforce_eager`) have nothing to capture. Every rank calls this at once with the
+        same arguments: a capture runs the forward, whose collectives need every rank."""
         started = time.perf_counter()
         graphs, propose = self.runner.graphs, self.runner.propose_graphs
         keys = warm_up_keys(

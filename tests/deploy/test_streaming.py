@@ -18,9 +18,7 @@ NUM_STREAMS, MAX_TOKENS = 8, 24
 PROMPTS = [f"def f{i}(x):" for i in range(NUM_STREAMS)]
 
 
-def test_concurrent_streams_equal_non_streamed_and_offline(
-    async_client, served_model, offline_llm
-):
+def test_concurrent_streams_equal_non_streamed_and_offline(async_client, served_model, offline_llm):
     from cluster.sampling_params import SamplingParams
 
     model = served_model["id"]
