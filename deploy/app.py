@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve import Application
 
 from deploy.ingress import OpenAIIngress
-from deploy.model_server import DEFAULT_STREAM_CHUNKS_PER_S, ModelServer
+from deploy.model_server import ModelServer
 
 MODEL_SERVER_NAME = "ModelServer"
 INGRESS_NAME = "OpenAIIngress"
@@ -53,8 +53,9 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     # Streamed chunks per second a model-server replica sends in all (a stream's chunks are
-    # spaced by streams / this; 0: one chunk per engine step). See deploy/model_server.py.
-    stream_chunks_per_s: float = Field(DEFAULT_STREAM_CHUNKS_PER_S, ge=0)
+    # spaced by streams / this; 0: one chunk per engine step; None: 50 per core of the node, at
+    # most 800). See deploy/model_server.py.
+    stream_chunks_per_s: float | None = Field(None, ge=0)
     # One log line per request in each replica (Serve's access log).
     access_log: bool = False
     # One deployment: the ingress with the engine in its process (deploy/openai_server.py);

@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -41,8 +42,18 @@ logger = logging.getLogger("ray.serve")
 # How often the replica copies engine gauges (queue depth, running, KV usage) to Prometheus.
 STATS_PERIOD_S = 1.0
 
-# Default budget of streamed chunks per second for the whole replica (AppArgs.stream_chunks_per_s).
-DEFAULT_STREAM_CHUNKS_PER_S = 400.0
+# The replica's streamed-chunk budget when AppArgs.stream_chunks_per_s is None: per core of the
+# node, capped. On the 2-core box (16 streams x 32 tokens, colocated, three alternating runs
+# each) 100 chunks/s gave 2296 streamed tok/s on average against 1664 with 400.
+STREAM_CHUNKS_PER_S_PER_CORE = 50.0
+MAX_AUTO_STREAM_CHUNKS_PER_S = 800.0
+
+
+def resolve_stream_chunks_per_s(chunks_per_s: float | None) -> float:
+    if chunks_per_s is not None:
+        return chunks_per_s
+    cores = os.cpu_count() or 1
+    return min(STREAM_CHUNKS_PER_S_PER_CORE * cores, MAX_AUTO_STREAM_CHUNKS_PER_S)
 
 
 def stream_interval_s(num_streams: int, chunks_per_s: float) -> float:
@@ -91,9 +102,7 @@ async def _maybe_await(value):
 class ModelServer:
     """Serve deployment class; `deploy.app.build_app` wraps it with `serve.deployment`."""
 
-    def __init__(
-        self, engine_config: dict, stream_chunks_per_s: float = DEFAULT_STREAM_CHUNKS_PER_S
-    ):
+    def __init__(self, engine_config: dict, stream_chunks_per_s: float | None = None):
         if engine_config.get("model") is None:
             from workers.default_model import default_model_path
 
@@ -113,7 +122,8 @@ class ModelServer:
         )
         self._metrics = EngineMetrics(self._engine.model_name)
         self._stats_task: asyncio.Task | None = None
-        self._stream_chunks_per_s = stream_chunks_per_s
+        self._stream_chunks_per_s = resolve_stream_chunks_per_s(stream_chunks_per_s)
+        logger.info("streamed chunks: at most %.0f per second", self._stream_chunks_per_s)
         self._num_streams = 0  # streamed requests in flight in this replica
 
     def model_info(self) -> ModelInfo:

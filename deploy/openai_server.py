@@ -17,7 +17,7 @@ import inspect
 from collections.abc import AsyncIterator
 
 from deploy.ingress import OpenAIIngress
-from deploy.model_server import DEFAULT_STREAM_CHUNKS_PER_S, ModelServer
+from deploy.model_server import ModelServer
 
 
 class InProcessStream:
@@ -79,9 +79,7 @@ class InProcessHandle:
 class OpenAIServer(OpenAIIngress):
     """Serve deployment class for `AppArgs.colocate`: the ingress plus its own engine."""
 
-    async def __init__(
-        self, engine_config: dict, stream_chunks_per_s: float = DEFAULT_STREAM_CHUNKS_PER_S
-    ):
+    async def __init__(self, engine_config: dict, stream_chunks_per_s: float | None = None):
         # Seconds of loading and warm-up: off the event loop, which Serve already runs.
         self._server = await asyncio.to_thread(ModelServer, engine_config, stream_chunks_per_s)
         await super().__init__(InProcessHandle(self._server))

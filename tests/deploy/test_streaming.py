@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from cluster.outputs import RequestOutput, join_outputs
-from deploy.model_server import stream_interval_s, to_chunk
+from deploy.model_server import resolve_stream_chunks_per_s, stream_interval_s, to_chunk
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -155,3 +155,14 @@ def test_colocated_disconnect_frees_blocks(colocated_url):
             break
         assert time.monotonic() < deadline, engine
         time.sleep(0.2)
+
+
+def test_auto_chunk_budget_follows_the_cores(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert resolve_stream_chunks_per_s(None) == 100.0
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    assert resolve_stream_chunks_per_s(None) == 800.0
+    assert resolve_stream_chunks_per_s(0.0) == 0.0
+    assert resolve_stream_chunks_per_s(250.0) == 250.0
