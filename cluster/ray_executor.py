@@ -116,7 +116,7 @@ class RayExecutor(Executor):
         self.num_kv_blocks = min(n for n, _ in loaded)
         self.has_mtp = loaded[0][1]
         self.transport = resolve_step_transport(config.step_transport, device)
-        self._graph = None  # compiled at the first step: after warm-up's plain calls
+        self._graph = None  # compiled at the first step, which warm_up sends: after its calls
         src = config.topk_src_rank
         logger.info(
             "Ray executor: tp=%d ep=%d, %s, %d KV blocks, top-k from %s, steps by %s",
@@ -219,9 +219,12 @@ class RayExecutor(Executor):
             raise WorkerError(f"the step channel failed: {e}") from e
 
     def warm_up(self, num_draft_tokens: int, share_topk: bool):
-        """Every rank at once (a capture's collectives need them all)."""
+        """Every rank at once (a capture's collectives need them all); then the step graph is
+        compiled and run once empty, so the first request does not pay for that either."""
         refs = [w.warm_up.remote(num_draft_tokens, share_topk) for w in self.workers]
-        return self._get_all(refs, STARTUP_TIMEOUT_S)[0]
+        result = self._get_all(refs, STARTUP_TIMEOUT_S)[0]
+        self.execute(StepInput([]))
+        return result
 
     def check_health(self) -> None:
         if not self.workers:
