@@ -2,7 +2,8 @@
 
     python benchmarks/bench_serve.py [--model DIR | --default-model] [--tp 1] [--num-draft-tokens 0]
         [--concurrency 1,8,32,128] [--max-tokens 128] [--prompt-len 32] [--rounds 2]
-        [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--json PATH]
+        [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--colocate]
+        [--repeat 1] [--[no-]interleave] [--json PATH]
 
 Same checkpoint, device and engine settings for every path (the tiny random checkpoint unless
 told otherwise). Each concurrency level is `concurrency` closed-loop clients sending greedy
@@ -15,8 +16,10 @@ concurrency, --min-requests)` requests in all:
            the model server (what `mtpserve serve` deploys), over real HTTP on loopback;
   full     the same, not streamed.
 
-The offline engine runs first and is shut down before the Serve app starts (one engine on the
-device at a time). Each path gets one untimed burst first (warm-up). Columns: output tokens/s over
+On a GPU the offline engine runs first and is shut down before the Serve app starts (one engine
+on the device at a time); on CPU both stay up and each level runs offline, streamed and full back
+to back (`--interleave`), so a shared box's drifting load moves the paths together. `--repeat`
+passes over the levels again; ratios pair each row with the offline row of its pass. Each path gets one untimed burst first (warm-up). Columns: output tokens/s over
 the level's wall time, its ratio to offline at the same concurrency, time to first token (stream:
 first text chunk; offline: first step output with a token) and inter-token latency (gap between
 a request's consecutive outputs that carried text; an MTP round's tokens arrive together) at
@@ -51,6 +54,7 @@ class LevelResult:
 
     path: str  # "offline" | "stream" | "full"
     concurrency: int
+    repeat: int = 0  # which pass over the levels (--repeat)
     num_requests: int = 0
     num_errors: int = 0
     num_output_tokens: int = 0
@@ -83,6 +87,7 @@ class LevelResult:
         return {
             "path": self.path,
             "concurrency": self.concurrency,
+            "repeat": self.repeat,
             "num_requests": self.num_requests,
             "num_errors": self.num_errors,
             "num_output_tokens": self.num_output_tokens,
@@ -306,17 +311,20 @@ def _ms(value: float | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    offline = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["path"] == "offline"}
+    offline = {
+        (r["concurrency"], r["repeat"]): r["tokens_per_s"] for r in rows if r["path"] == "offline"
+    }
     header = (
-        "| path | concurrency | requests | tok/s | x offline | TTFT p50 / p99 (ms) "
+        "| path | concurrency | pass | requests | tok/s | x offline | TTFT p50 / p99 (ms) "
         "| ITL p50 / p99 (ms) | latency p50 (ms) | errors |"
     )
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = offline.get(r["concurrency"])
+        base = offline.get((r["concurrency"], r["repeat"]))
         ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
         lines.append(
-            f"| {r['path']} | {r['concurrency']} | {r['num_requests']} | {r['tokens_per_s']:.0f} "
+            f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} | {r['num_requests']} "
+            f"| {r['tokens_per_s']:.0f} "
             f"| {ratio} | {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} "
             f"| {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} | {_ms(r['latency_p50_s'])} "
             f"| {r['num_errors']} |"
@@ -358,6 +366,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the model server's streamed chunk budget (default: AppArgs')",
     )
+    ap.add_argument("--repeat", type=int, default=1, help="passes over the levels")
+    ap.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the offline engine beside the server and measure each level on every path "
+        "back to back (default: on for --device cpu, where a shared box's load drifts; off "
+        "otherwise: one engine on the device at a time)",
+    )
     ap.add_argument("--json", default=None, help="write the rows and the run's facts here")
     args = ap.parse_args(argv)
 
@@ -385,18 +402,40 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.url is None:
         start_local_ray("local")
+    http_paths = [p for p in paths if p in ("stream", "full")]
+    interleave = args.interleave if args.interleave is not None else args.device == "cpu"
     rows: list[LevelResult] = []
     first_ms: list[float] = []
+    engine = server = None
     try:
         if "offline" in paths:
-            rows += _offline_levels(model, engine_options, prompts, levels, args)
-        http_paths = [p for p in paths if p in ("stream", "full")]
-        if http_paths:
-            http_rows, first_ms = _http_levels(
-                model, engine_options, prompts, levels, http_paths, args, deploy
-            )
-            rows += http_rows
+            engine = _offline_engine(model, engine_options, prompts, levels, args)
+        if interleave:  # both up at once; per level: offline, then each HTTP path
+            if http_paths:
+                server, first_ms = _serve(
+                    model, engine_options, prompts, levels, http_paths, args, deploy
+                )
+            for repeat in range(args.repeat):
+                for c in levels:
+                    if engine is not None:
+                        rows.append(_offline_level(engine, prompts, c, repeat, args))
+                    rows += [_http_level(server, prompts, p, c, repeat, args) for p in http_paths]
+        else:  # the offline engine's levels, its shutdown, then the server's
+            for repeat in range(args.repeat if engine is not None else 0):
+                rows += [_offline_level(engine, prompts, c, repeat, args) for c in levels]
+            if engine is not None:
+                _close_engine(engine)
+                engine = None
+            if http_paths:
+                server, first_ms = _serve(
+                    model, engine_options, prompts, levels, http_paths, args, deploy
+                )
+            for repeat in range(args.repeat):
+                for p in http_paths:
+                    rows += [_http_level(server, prompts, p, c, repeat, args) for c in levels]
     finally:
+        if engine is not None:
+            _close_engine(engine)
         if args.url is None:
             shutdown()
 
@@ -426,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.num_errors == 0 for r in rows) else 1
 
 
-def _offline_levels(model, engine_options, prompts, levels, args) -> list[LevelResult]:
+def _offline_engine(model, engine_options, prompts, levels, args):
     from cluster.config import EngineConfig
     from cluster.engine import LLMEngine
 
@@ -434,22 +473,34 @@ def _offline_levels(model, engine_options, prompts, levels, args) -> list[LevelR
     if args.tp > 1:
         config["executor"] = "ray"
     engine = LLMEngine(EngineConfig(model=model, **config))
-    rows = []
-    try:
-        run_offline(engine, prompts, max(levels), max(levels), min(args.max_tokens, 8))  # warm-up
-        for c in levels:
-            n = num_requests_for(c, args.rounds, args.min_requests)
-            rows.append(run_offline(engine, prompts, c, n, args.max_tokens))
-            print(f"  offline c={c}: {rows[-1].tokens_per_s:.0f} tok/s", flush=True)
-    finally:
-        engine.shutdown()
-        del engine
-        gc.collect()
-        _empty_device_cache()
-    return rows
+    run_offline(engine, prompts, max(levels), max(levels), min(args.max_tokens, 8))  # warm-up
+    return engine
 
 
-def _http_levels(model, engine_options, prompts, levels, paths, args, deploy) -> list[LevelResult]:
+def _offline_level(engine, prompts, c: int, repeat: int, args) -> LevelResult:
+    n = num_requests_for(c, args.rounds, args.min_requests)
+    row = run_offline(engine, prompts, c, n, args.max_tokens)
+    row.repeat = repeat
+    print(f"  offline c={c}: {row.tokens_per_s:.0f} tok/s", flush=True)
+    return row
+
+
+def _close_engine(engine) -> None:
+    engine.shutdown()
+    gc.collect()
+    _empty_device_cache()
+
+
+@dataclass
+class _Server:
+    client_cls: type
+    url: str
+    model: str
+
+
+def _serve(model, engine_options, prompts, levels, paths, args, deploy):
+    """Deploy (unless --url), time the ten first requests, warm each path up:
+    -> (_Server, first request latencies in ms)."""
     from deploy.app import AppArgs
 
     if args.url is None:
@@ -480,11 +531,12 @@ def _http_levels(model, engine_options, prompts, levels, paths, args, deploy) ->
         )
     else:
         url = args.url.rstrip("/").removesuffix("/v1")
-    client_cls = client_class(args.client)
-    served = _served_model(url)
+    server = _Server(client_class(args.client), url, _served_model(url))
     # The first requests after the server said it was ready, one at a time, before any warm-up
     # of ours: compilation or graph capture left for them shows as a slow first one.
-    first = asyncio.run(run_http(client_cls, url, served, prompts, "full", 1, 10, args.max_tokens))
+    first = asyncio.run(
+        run_http(server.client_cls, url, server.model, prompts, "full", 1, 10, args.max_tokens)
+    )
     first_ms = [s * 1e3 for s in first.latency_s]
     if len(first_ms) == 10:
         print(
@@ -492,22 +544,33 @@ def _http_levels(model, engine_options, prompts, levels, paths, args, deploy) ->
             f"(x{first_ms[0] / first_ms[9]:.2f})",
             flush=True,
         )
-    rows = []
-    for path in paths:
-        top = max(levels)
-        asyncio.run(  # warm-up
-            run_http(client_cls, url, served, prompts, path, top, top, min(args.max_tokens, 8))
-        )
-        for c in levels:
-            n = num_requests_for(c, args.rounds, args.min_requests)
-            row = asyncio.run(
-                run_http(client_cls, url, served, prompts, path, c, n, args.max_tokens)
+    top = max(levels)
+    for path in paths:  # warm-up
+        asyncio.run(
+            run_http(
+                server.client_cls,
+                url,
+                server.model,
+                prompts,
+                path,
+                top,
+                top,
+                min(args.max_tokens, 8),
             )
-            rows.append(row)
-            print(f"  {path} c={c}: {row.tokens_per_s:.0f} tok/s", flush=True)
-            if row.first_errors:
-                print("   errors:", *row.first_errors, sep="\n    ", flush=True)
-    return rows, first_ms
+        )
+    return server, first_ms
+
+
+def _http_level(server: _Server, prompts, path: str, c: int, repeat: int, args) -> LevelResult:
+    n = num_requests_for(c, args.rounds, args.min_requests)
+    row = asyncio.run(
+        run_http(server.client_cls, server.url, server.model, prompts, path, c, n, args.max_tokens)
+    )
+    row.repeat = repeat
+    print(f"  {path} c={c}: {row.tokens_per_s:.0f} tok/s", flush=True)
+    if row.first_errors:
+        print("   errors:", *row.first_errors, sep="\n    ", flush=True)
+    return row
 
 
 def _served_model(url: str) -> str:
