@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve test gpu-test
+.PHONY: setup serve test test-slow gpu-test
 
 $(BIN)/mtpserve: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,11 @@ serve: setup
 	$(BIN)/mtpserve serve
 
 test: setup
-	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" tests
+	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu and not slow" tests
+
+# The longer CPU tiers (e.g. 44 more configs of the config family, ~1.5 min on 2 cores).
+test-slow: setup
+	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m slow tests
 
 gpu-test:
 	python3 -m pytest -q -m gpu tests
