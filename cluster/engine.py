@@ -63,8 +63,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         from workers.loader import load_config
+        from workers.model_config import check_model_config
 
         model_config = load_config(config.model)
+        check_model_config(model_config, config.tp_size, config.ep_size)  # before any weights
         self.vocab_size = model_config.vocab_size
         self.max_model_len = config.max_model_len or min(
             model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN

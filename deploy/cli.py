@@ -71,8 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from workers.loader import CheckpointError
+    from workers.model_config import ModelConfigError
+
+    try:
+        return _run(args)
+    except (CheckpointError, ModelConfigError) as e:  # the user's checkpoint or options
+        parser.exit(2, f"mtpserve: error: {e}\n")
+
+
+def _run(args: argparse.Namespace) -> int:
 
     if args.command == "make-tiny-model":
         from workers.tiny_model import make_tiny_model
@@ -110,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from deploy.app import AppArgs
         from deploy.local_server import serve_until_interrupted
+        from workers.model_config import check_checkpoint
+
+        check_checkpoint(args.model, args.tp, args.ep)  # before Ray starts
 
         engine = {"indexer_numerics": args.indexer_numerics}
         if args.served_model_name is not None:

@@ -49,7 +49,6 @@ TINY_CONFIG = dict(
 )
 
 
-
 def random_config(seed: int) -> dict:
     """A small valid DeepSeek-V3.2 config drawn from `seed`: overrides of TINY_CONFIG.
 
@@ -96,7 +95,9 @@ def random_config(seed: int) -> dict:
             "rope_type": "yarn",
             "rope_theta": 10000.0,
             "factor": factor,
-            "original_max_position_embeddings": int(TINY_CONFIG["max_position_embeddings"] / factor),
+            "original_max_position_embeddings": int(
+                TINY_CONFIG["max_position_embeddings"] / factor
+            ),
             "beta_fast": 32.0,
             "beta_slow": 1.0,
             "mscale": 1.0,
@@ -164,9 +165,7 @@ def _init_(t: torch.Tensor, gen: torch.Generator, name: str) -> None:
         t.copy_(torch.randn(t.shape, generator=gen) * fan_in**-0.5)
 
 
-def make_tiny_model(
-    out_dir: str, seed: int = 0, mtp_echo: float | None = None, **overrides
-) -> str:
+def make_tiny_model(out_dir: str, seed: int = 0, mtp_echo: float | None = None, **overrides) -> str:
     """Write a complete tiny checkpoint to out_dir; the same seed gives the same bytes.
 
     The MTP layer is random, so its drafts are almost never accepted. `mtp_echo` (a noise scale)
