@@ -465,10 +465,10 @@ def run_single(args, emit, bw: float) -> None:
     )
 
     # The engine's configuration: verify steps and whole proposals replay graphs, PDL on.
-    from workers.cuda_graph import ProposeGraphs
+    from workers.mtp_proposer import MtpProposer
 
     bench.runner.graphs = graphs[True]
-    bench.runner.propose_graphs = ProposeGraphs(model, bench.runner.topk_share, graphs[True])
+    bench.runner.proposer = MtpProposer(model, BLOCK, graphs[True])
     # Top-k sharing skips the MTP indexer's work, which grows with the context: hence 32k too.
     emit("\n| k | share top-k | round ms (b=1, 1k) | round ms (b=8, 1k) | round ms (b=1, 32k) |")
     emit("|---|---|---|---|---|")

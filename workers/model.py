@@ -209,7 +209,10 @@ class MLAAttention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
         index_cache: torch.Tensor,  # [num_blocks, block_size, index_head_dim]
-    ) -> torch.Tensor:
+        topk: torch.Tensor | None = None,  # [T, K] positions to attend to; None: the indexer's
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (output [T, hidden], the top-k positions attended to [T, K]). Given `topk`, the
+        indexer does no work at all (MTP draft steps that share step 0's selection)."""
         cos, sin = cos_sin
         num_tokens = x.shape[0]
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
@@ -225,11 +228,8 @@ class MLAAttention(nn.Module):
             kv_cache,
             meta.slot_mapping,
         )
-        if meta.shared_topk is not None:
-            topk = meta.shared_topk
-        else:
+        if topk is None:
             topk = self.indexer(x, q_latent, cos_sin, meta, index_cache)
-            meta.computed_topk = topk
         # W_UK / W_UV out of kv_b_proj: [heads, nope + v, kv_lora_rank]
         w_kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
@@ -244,7 +244,7 @@ class MLAAttention(nn.Module):
             self.kv_lora_rank,
         )  # [T, H, kv_lora_rank]
         out = torch.einsum("thl,hvl->thv", out_latent, w_uv).reshape(num_tokens, -1)
-        return self.o_proj(out)
+        return self.o_proj(out), topk
 
 
 class MLP(nn.Module):
@@ -368,14 +368,15 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(
-        self, h, residual, cos_sin, meta, kv_cache, index_cache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, h, residual, cos_sin, meta, kv_cache, index_cache, topk=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The residual stream is `residual + h` (residual None: `h`); returns the MLP output
-        and the stream before it, so each residual add is fused into the next norm."""
+        and the stream before it, so each residual add is fused into the next norm, and the
+        top-k positions its attention used."""
         x, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn(x, cos_sin, meta, kv_cache, index_cache)
+        h, topk = self.self_attn(x, cos_sin, meta, kv_cache, index_cache, topk)
         x, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(x), residual
+        return self.mlp(x), residual, topk
 
 
 class SharedHead(nn.Module):
@@ -402,11 +403,11 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = ReplicatedLinear(2 * hidden, hidden, dtype)
         self.shared_head = SharedHead(config, dtype)
 
-    def forward(self, input_ids, prev_hidden, cos_sin, meta, kv_cache, index_cache):
+    def forward(self, input_ids, prev_hidden, cos_sin, meta, kv_cache, index_cache, topk=None):
         e = self.enorm(self.embed_tokens(input_ids))
         h = self.eh_proj(torch.cat([e, self.hnorm(prev_hidden)], dim=-1))
-        h, residual = super().forward(h, None, cos_sin, meta, kv_cache, index_cache)
-        return self.shared_head.norm.add_forward(h, residual)[0]
+        h, residual, topk = super().forward(h, None, cos_sin, meta, kv_cache, index_cache, topk)
+        return self.shared_head.norm.add_forward(h, residual)[0], topk
 
 
 class DeepseekV32ForCausalLM(nn.Module):
@@ -461,16 +462,22 @@ class DeepseekV32ForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(meta)
         h, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, cos_sin, meta, self.kv_caches[i], self.index_caches[i])
+            h, residual, _ = layer(
+                h, residual, cos_sin, meta, self.kv_caches[i], self.index_caches[i]
+            )
         return self.model.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return ParallelLMHead.forward(self.head, hidden).float()
 
     def mtp_forward(
-        self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """One MTP step: token i+1 and hidden state i -> MTP hidden after shared_head.norm."""
+        self,
+        input_ids: torch.Tensor,  # [T] token i+1
+        prev_hidden: torch.Tensor,  # [T, hidden] hidden state i
+        meta: AttentionMetadata,
+        topk: torch.Tensor | None = None,  # [T, K] to skip the MTP indexer; None: run it
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP step -> (MTP hidden after shared_head.norm [T, hidden], top-k used [T, K])."""
         n = self.config.num_hidden_layers
         return self.mtp(
             input_ids,
@@ -479,6 +486,7 @@ class DeepseekV32ForCausalLM(nn.Module):
             meta,
             self.kv_caches[n],
             self.index_caches[n],
+            topk,
         )
 
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
