@@ -243,3 +243,46 @@ def test_tool_choice_none_hides_tools_and_parses_no_calls(client, dsv32_url):
         tokenize(dsv32_url, messages=QUESTION, tools=FORECAST_TOOLS, tool_choice="none")["tokens"]
         == tokenize(dsv32_url, messages=QUESTION)["tokens"]
     )
+
+
+def test_chat_format_follows_the_checkpoint(model_dir, tokenizer, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from deploy.openai_serving import ChatFormat
+
+    assert ChatFormat.for_checkpoint(model_dir, tokenizer) == ChatFormat(True, True)
+    own = AutoTokenizer.from_pretrained(tiny_model_dir)  # deepseek_v32 with its own template
+    assert ChatFormat.for_checkpoint(tiny_model_dir, own) == ChatFormat(False, True)
+    assert ChatFormat.for_checkpoint("/nonexistent", tokenizer) == ChatFormat(False, False)
+
+
+def test_own_template_receives_tools_and_template_kwargs(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from deploy.openai_protocol import ChatCompletionRequest
+    from deploy.openai_serving import ChatFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = (
+        "{{ tools | map(attribute='function.name') | join(',') }}|{{ mood }}|"
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"
+    )
+    request = ChatCompletionRequest(
+        model="m",
+        messages=QUESTION,
+        tools=FORECAST_TOOLS,
+        chat_template_kwargs={"mood": "sunny"},
+    )
+    assert ChatFormat(False, True).prompt_text(request, tokenizer) == (
+        "get_forecast|sunny|user:Will it rain in Paris this week?;"
+    )
+
+
+def test_batch_job_prompt_uses_the_builtin_encoder(tokenizer):
+    from deploy.batch import _prompt_token_ids
+
+    request = {"messages": CONVERSATION[:9], "tools": TOOLS, **THINKING}
+    expected = EXPECTED_THINKING[: EXPECTED_THINKING.index("One call is enough.")]
+    assert _prompt_token_ids(request, tokenizer) == tokenizer.encode(
+        expected, add_special_tokens=False
+    )
