@@ -375,3 +375,20 @@ def test_real_tokenizer_markers(tokenizer):
         30, 28217, 10525, 7398, 28217, 8701, 4941, 12548, 32
     ]  # fmt: skip
     assert tokenizer.decode(ids) == EXPECTED_THINKING
+
+
+@pytest.mark.skipif(
+    not os.environ.get("DSV32_ENCODING_DIR"),
+    reason="set DSV32_ENCODING_DIR to a copy of DeepSeek-V3.2's encoding/ folder",
+)
+def test_deepseeks_own_test_vector():
+    """DeepSeek's official vector, when a copy of the model repository's `encoding/` folder is
+    at hand (not vendored here): `test_output.txt` is the encoding of `test_input.json` in
+    thinking mode, plus the file's final newline."""
+    folder = os.environ["DSV32_ENCODING_DIR"]
+    with open(os.path.join(folder, "test_input.json"), encoding="utf-8") as f:
+        vector = json.load(f)
+    with open(os.path.join(folder, "test_output.txt"), encoding="utf-8") as f:
+        expected = f.read()
+    prompt = encode_messages(vector["messages"], thinking=True, tools=vector["tools"])
+    assert prompt + "\n" == expected
