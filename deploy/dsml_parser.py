@@ -65,15 +65,20 @@ class ParsedDelta:
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def add_tool_call(self, piece: ToolCallDelta) -> None:
+        """Append `piece`, joined to the last piece when it continues the same call (so a delta
+        has one piece per call, as OpenAI's stream chunks do)."""
+        last = self.tool_calls[-1] if self.tool_calls else None
+        if last is not None and last.index == piece.index and piece.id is None:
+            last.arguments += piece.arguments
+        else:
+            self.tool_calls.append(dataclasses.replace(piece))
+
     def extend(self, other: ParsedDelta) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
         for piece in other.tool_calls:
-            last = self.tool_calls[-1] if self.tool_calls else None
-            if last is not None and last.index == piece.index and piece.id is None:
-                last.arguments += piece.arguments
-            else:
-                self.tool_calls.append(dataclasses.replace(piece))
+            self.add_tool_call(piece)
 
 
 @dataclasses.dataclass
@@ -173,10 +178,13 @@ class DSMLParser:
         self._call_name = ""
         self._num_params = 0
         self._param_name = ""
-        self._param_is_str = True
-        self.num_tool_calls = 0
 
     # -- public ---------------------------------------------------------------------------------
+
+    @property
+    def num_tool_calls(self) -> int:
+        """Calls opened so far."""
+        return self._num_calls
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
@@ -191,7 +199,7 @@ class DSMLParser:
         while self._step(delta, final=True):
             pass
         if self._state == "string_value":
-            delta.tool_calls.append(ToolCallDelta(self._num_calls - 1, arguments='"'))
+            delta.add_tool_call(ToolCallDelta(self._num_calls - 1, arguments='"'))
             self._state = "invoke"
         elif self._state == "value":
             self._emit_value(delta, self._buffer)
@@ -282,13 +290,12 @@ class DSMLParser:
         if tag == INVOKE_OPEN:
             self._call_name = match.group(1)
             self._num_params = 0
-            delta.tool_calls.append(
+            delta.add_tool_call(
                 ToolCallDelta(
                     self._num_calls, id=f"call_{uuid.uuid4().hex[:24]}", name=self._call_name
                 )
             )
             self._num_calls += 1
-            self.num_tool_calls = self._num_calls
             self._state = "invoke"
             return True
         return False
@@ -300,14 +307,14 @@ class DSMLParser:
             self._state = "calls"
             return True
         if tag == PARAMETER_OPEN:
-            self._param_name, self._param_is_str = match.group(1), match.group(2) == "true"
+            self._param_name, is_str = match.group(1), match.group(2) == "true"
             prefix = "{" if self._num_params == 0 else ", "
             self._num_params += 1
             arguments = prefix + json.dumps(self._param_name, ensure_ascii=False) + ": "
-            if self._param_is_str:
+            if is_str:
                 arguments += '"'
-            delta.tool_calls.append(ToolCallDelta(self._num_calls - 1, arguments=arguments))
-            self._state = "string_value" if self._param_is_str else "value"
+            delta.add_tool_call(ToolCallDelta(self._num_calls - 1, arguments=arguments))
+            self._state = "string_value" if is_str else "value"
             return True
         return False
 
@@ -315,7 +322,7 @@ class DSMLParser:
         text, found = self._text_until(PARAMETER_END, final)
         fragment = _escape(text) + ('"' if found else "")
         if fragment:
-            delta.tool_calls.append(ToolCallDelta(self._num_calls - 1, arguments=fragment))
+            delta.add_tool_call(ToolCallDelta(self._num_calls - 1, arguments=fragment))
         if found:
             self._state = "invoke"
         return found
@@ -333,8 +340,8 @@ class DSMLParser:
         types = schema_types(self._schemas.get(self._call_name, {}).get(self._param_name))
         value = typed_value(raw, types)
         text = json.dumps(value, ensure_ascii=False)
-        delta.tool_calls.append(ToolCallDelta(self._num_calls - 1, arguments=text))
+        delta.add_tool_call(ToolCallDelta(self._num_calls - 1, arguments=text))
 
     def _close_invoke(self, delta: ParsedDelta) -> None:
         closing = "}" if self._num_params else "{}"
-        delta.tool_calls.append(ToolCallDelta(self._num_calls - 1, arguments=closing))
+        delta.add_tool_call(ToolCallDelta(self._num_calls - 1, arguments=closing))

@@ -76,6 +76,11 @@ def test_thinking_answer_with_two_calls():
         "Checking both.",
         [("get_forecast", EXPECTED_ARGUMENTS[0]), ("get_forecast", EXPECTED_ARGUMENTS[1])],
     )
+    one_delta = DSMLParser(True, True, [FORECAST_TOOL]).feed(THINKING_ANSWER)
+    assert [(p.index, p.name, p.arguments) for p in one_delta.tool_calls] == [
+        (0, "get_forecast", EXPECTED_ARGUMENTS[0]),
+        (1, "get_forecast", EXPECTED_ARGUMENTS[1]),
+    ]
     ids = [c.id for c in merged_tool_calls(result.tool_calls)]
     assert all(i.startswith("call_") and len(i) == 29 for i in ids) and len(set(ids)) == 2
     assert json.loads(EXPECTED_ARGUMENTS[1]) == {
@@ -112,6 +117,7 @@ def test_token_by_token_with_the_real_tokenizer_equals_whole():
 
 
 def test_streamed_order_id_and_name_first_then_argument_fragments():
+    """One piece per call per delta: the call's id and name first, then fragments."""
     parser = DSMLParser(thinking=False, parse_tools=True, tools=[FORECAST_TOOL])
     opened = parser.feed('\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_forecast">\n')
     assert [(d.index, d.name, d.arguments) for d in opened.tool_calls] == [(0, "get_forecast", "")]
@@ -119,12 +125,11 @@ def test_streamed_order_id_and_name_first_then_argument_fragments():
     # A string value streams before its parameter closes; a partial closing tag is held back.
     fragment = parser.feed('<｜DSML｜parameter name="city" string="true">Osl')
     assert [(d.index, d.id, d.arguments) for d in fragment.tool_calls] == [
-        (0, None, '{"city": "'),
-        (0, None, "Osl"),
+        (0, None, '{"city": "Osl')
     ]
     assert [d.arguments for d in parser.feed("o</｜DSML").tool_calls] == ["o"]
     closed = parser.feed('｜parameter>\n<｜DSML｜parameter name="days" string="false">1')
-    assert [d.arguments for d in closed.tool_calls] == ['"', ', "days": ']
+    assert [d.arguments for d in closed.tool_calls] == ['", "days": ']
     assert [d.arguments for d in parser.feed("0</｜DSML｜parameter>\n").tool_calls] == ["10"]
     assert [d.arguments for d in parser.feed("</｜DSML｜invoke>\n").tool_calls] == ["}"]
     assert parser.feed("</｜DSML｜function_calls>") == ParsedDelta()
