@@ -85,4 +85,9 @@ def make_executor(config: EngineConfig) -> Executor:
         from cluster.ray_executor import RayExecutor
 
         return RayExecutor(config)
+    if ":" in kind:  # "package.module:Class", an executor of one's own (tests script outputs)
+        import importlib
+
+        module_name, _, class_name = kind.partition(":")
+        return getattr(importlib.import_module(module_name), class_name)(config)
     raise ValueError(f"unknown executor {kind!r}")
