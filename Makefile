@@ -19,8 +19,14 @@ setup: $(BIN)/mtpserve
 serve: setup
 	$(BIN)/mtpserve serve
 
+# Run again where Triton cannot be imported, as on macOS and Windows (no Triton builds there).
+NO_TRITON_TESTS := tests/test_no_triton.py tests/deploy/test_cli.py tests/deploy/test_serve_cli.py \
+	tests/deploy/test_batch_job.py tests/parallel/test_tp_greedy.py
+
 test: setup
 	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu and not slow" tests
+	PYTHONPATH=.ci/no-triton RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m no_triton \
+		$(NO_TRITON_TESTS)
 
 # The longer CPU tiers (e.g. 44 more configs of the config family, ~1.5 min on 2 cores).
 test-slow: setup

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.deepgemm import DeepGemmBackend
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
+from kernels.platform import tl, triton
 
 
 def grouped_moe_reference(

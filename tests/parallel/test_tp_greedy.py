@@ -64,6 +64,7 @@ def test_tp_greedy_matches_tp1(
         llm.engine.shutdown()
 
 
+@pytest.mark.no_triton
 def test_auto_executor_picks_ray_for_tp2(ray_local, tiny_model_dir, prompts, tp1_tokens):
     from cluster.llm import LLM
     from cluster.ray_executor import RayExecutor
