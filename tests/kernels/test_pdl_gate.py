@@ -29,6 +29,8 @@ from kernels.cache_write import (
     mla_kv_cache_write_reference,
     mla_kv_cache_write_triton,
 )
+from kernels.fp8 import fp8_linear_reference, quantize_fp8_reference
+from kernels.fp8_linear import fp8_linear_triton
 from kernels.indexer import (
     indexer_topk_reference,
     indexer_topk_triton,
@@ -70,6 +72,8 @@ ALL_KERNELS = {
     "_moe_down_kernel",
     "_moe_sum_kernel",
     "_linear_fp32_kernel",
+    "_fp8_linear_kernel",
+    "_sum_splits_kernel",
 }
 
 
@@ -105,6 +109,12 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             linear_fp32_triton,
             linear_fp32_reference,
             (torch.randn(3, 70), torch.randn(9, 70), 0.5),
+        ),
+        (
+            "fp8_linear",
+            fp8_linear_triton,
+            fp8_linear_reference,
+            (torch.randn(3, 200), *quantize_fp8_reference(torch.randn(150, 200))),
         ),
         ("rope", rope_triton, rope_reference, (torch.randn(3, 2, 6), cos, sin, True, 4)),
         (
