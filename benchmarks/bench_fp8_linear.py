@@ -9,6 +9,7 @@ from functools import partial
 
 import torch
 
+from benchmarks.bench_kernels import copy_bandwidth_gbs
 from kernels.fp8 import quantize_fp8_reference
 from kernels.fp8_linear import fp8_linear_triton
 
@@ -40,18 +41,11 @@ def graph_us(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def copy_bandwidth() -> float:
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = graph_us(lambda: b.copy_(a), reps=10)
-    return 2 * a.numel() / (us * 1e-6)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
     args = ap.parse_args()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth_gbs() * 1e9  # bytes/s, the same measure as bench_decode's floor
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
     print("| projection | tokens | fp8 (ours) us | x floor | bf16 cuBLAS us | fp8 _scaled_mm us |")
     print("|---|---|---|---|---|---|")

@@ -19,6 +19,8 @@ from kernels.cache_write import (
     mla_kv_cache_write_reference,
     mla_kv_cache_write_triton,
 )
+from kernels.fp8 import fp8_linear_reference
+from kernels.fp8_linear import fp8_linear_triton
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton
 from kernels.indexer_fp8 import indexer_fp8_reference
 from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
@@ -47,6 +49,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     impl = linear_fp32_triton if use_triton(x.device) else linear_fp32_reference
     return impl(x, weight, scale)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T for a block-scaled FP8 weight (kernels/fp8.py), dequantized in registers."""
+    impl = fp8_linear_triton if use_triton(x.device) else fp8_linear_reference
+    return impl(x, weight, scale_inv)
 
 
 def add_rms_norm(
@@ -173,6 +181,7 @@ __all__ = [
     "rms_norm",
     "add_rms_norm",
     "linear_fp32",
+    "fp8_linear",
     "rope",
     "rope_cos_sin",
     "mla_kv_cache_write",

@@ -118,6 +118,7 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, INDEXER_NORM_EPS, dtype)
         # fp32, as DeepSeek and transformers keep it: the head weights decide near-ties.
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads, torch.float32)
+        self.weights_proj.quantizable = False  # read by ops.linear_fp32, in fp32
         # None: every TP rank runs the indexer on its own cache. r: only TP rank r runs it and
         # broadcasts its top-k, so all ranks attend to one token set; the others skip the work
         # (and never write their indexer-key cache: the choice holds for a worker's lifetime).
@@ -198,6 +199,9 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype
         )
+        # Absorbed into q and the output (its weight is read, not multiplied): an FP8
+        # checkpoint's kv_b_proj is dequantized on load, as DeepSeek's inference does.
+        self.kv_b_proj.quantizable = False
         self.o_proj = RowParallelLinear(heads * self.v_dim, config.hidden_size, dtype)
         self.indexer = Indexer(config, dtype)
         self.softmax_scale = yarn_softmax_scale(config)
