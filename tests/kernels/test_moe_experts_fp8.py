@@ -171,13 +171,26 @@ def test_fp8_grouped_moe_rejects_block_k_straddling_scale_blocks() -> None:
         )
 
 
-def test_ops_grouped_moe_passes_the_scales() -> None:
-    """The op (Triton under the interpreter or on CUDA, the twin elsewhere) with FP8 experts is
-    the FP8 twin; without scales it is unchanged."""
+@needs_triton
+@pytest.mark.parametrize("triton_on", [True, False])
+def test_ops_grouped_moe_fp8_runs_triton_never_deepgemm(monkeypatch, triton_on) -> None:
+    """With scales the op is the FP8 Triton kernel where Triton runs (even with DeepGEMM
+    present: its FP8 grouped GEMMs take another scale layout) and the FP8 twin elsewhere."""
+    monkeypatch.setattr(ops, "use_triton", lambda device: triton_on)
+    monkeypatch.setattr(ops.deepgemm, "use_deepgemm", lambda x, active=None: True)
+    called: list[str] = []
+
+    def spy(name, fn):
+        return lambda *args, **kwargs: called.append(name) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "grouped_moe_triton", spy("triton", grouped_moe_triton))
+    monkeypatch.setattr(ops, "grouped_moe_reference", spy("twin", grouped_moe_reference))
+    monkeypatch.setattr(ops, "grouped_moe_deepgemm", spy("deepgemm", None))
     hidden, intermediate = 300, 160
     w13, w2, w13_scale, w2_scale = fp8_experts(3, hidden, intermediate, seed=7)
     weights, ids = routes(4, 5, 2, seed=7)
     x = torch.randn(4, hidden, device=DEVICE)
     scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
-    expected = grouped_moe_reference(x, w13, w2, weights, ids, 1, **scales)
-    assert_close(ops.grouped_moe(x, w13, w2, weights, ids, 1, **scales), expected)
+    actual = ops.grouped_moe(x, w13, w2, weights, ids, 1, **scales)
+    assert called == ["triton" if triton_on else "twin"]
+    assert_close(actual, grouped_moe_reference(x, w13, w2, weights, ids, 1, **scales))
