@@ -140,11 +140,18 @@ def test_fp8_grouped_moe_matches_twin(
 
 
 @needs_triton
-def test_fp8_grouped_moe_small_tiles_and_tiny_intermediate() -> None:
+def test_fp8_grouped_moe_small_tiles_tiny_intermediate_strided() -> None:
     """I = 32 (tiny test models): one partial block per part; BLOCK_K 32 and BLOCK_N 16, so
-    several k steps share one scale block and column tiles straddle no block edge."""
+    several k steps share one scale block. Weights are views with padded rows and the scales
+    are non-contiguous: the kernels follow every stride."""
     hidden, intermediate, num_local = 136, 32, 3
-    w13, w2, w13_scale, w2_scale = fp8_experts(num_local, hidden, intermediate, seed=5)
+    w13, w2, w13_scale, w2_scale = fp8_experts(num_local, hidden + 8, intermediate + 8, seed=5)
+    w13 = torch.cat([w13[:, :intermediate], w13[:, -intermediate:]], 1)[..., :hidden]
+    w2 = w2[:, :hidden, :intermediate]  # [E, H, I] with row stride I + 8
+    w13_scale = w13_scale.transpose(1, 3).contiguous().transpose(1, 3)  # strides (.., 1, .., ..)
+    w2_scale = torch.cat([w2_scale, torch.zeros_like(w2_scale)], 2)[..., :1]  # [E, 2, 1]
+    for strided in (w13, w2, w13_scale, w2_scale):
+        assert strided.stride() != strided.contiguous().stride()
     weights, ids = routes(5, 4, 2, seed=5)
     x = torch.randn(5, hidden, device=DEVICE)
     config = GroupedGemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)
