@@ -163,14 +163,23 @@ def grouped_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int = 0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Routed experts; FP8 experts (e4m3, 128x128 block scales) when the scales are given."""
+    fp8 = w13_scale is not None or w2_scale is not None
     if not use_triton(x.device):
-        return grouped_moe_reference(x, w13, w2, topk_weights, topk_ids, first_expert)
-    if deepgemm.use_deepgemm(x):
+        return grouped_moe_reference(
+            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale
+        )
+    # FP8 experts skip DeepGEMM: its FP8 grouped GEMMs take FP8 activations with per-token 1x128
+    # scales in its own TMA-aligned (on Blackwell packed UE8M0) layout, and one scale grid over
+    # [gate | up] where we keep one per part; our Triton kernels dequantize in registers instead.
+    if not fp8 and deepgemm.use_deepgemm(x):
         return grouped_moe_deepgemm(
             x, w13, w2, topk_weights, topk_ids, first_expert, deepgemm.backend
         )
-    return grouped_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert)
+    return grouped_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
