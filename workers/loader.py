@@ -114,12 +114,21 @@ def keep_fp8_weights(model: torch.nn.Module, names: dict[str, str]) -> list[str]
             fp8_params[pname] = fp8_params.get(pname, 0) + 1
     kept = []
     for module_name, module in model.named_modules():
-        pname = f"{module_name}.weight"
-        if pname not in fp8_params or not hasattr(module, "use_fp8"):
+        if not hasattr(module, "use_fp8"):
             continue
-        parts = len(getattr(module, "out_sizes", [None]))
-        if fp8_params[pname] != parts:  # a merged layer with only some parts FP8
-            continue
+        if hasattr(module, "w13"):  # routed experts: every expert's three weights FP8
+            pname = f"{module_name}.w13"
+            experts = module.num_experts
+            if (
+                fp8_params.get(pname) != 2 * experts
+                or fp8_params.get(f"{module_name}.w2") != experts
+            ):
+                continue
+        else:
+            pname = f"{module_name}.weight"
+            parts = len(getattr(module, "out_sizes", [None]))
+            if fp8_params.get(pname) != parts:  # absent, or a merged layer partly FP8
+                continue
         try:
             if module.use_fp8():
                 kept.append(pname)
@@ -171,7 +180,10 @@ def load_weights(model: torch.nn.Module, model_dir: str, names: dict[str, str] |
             raise CheckpointError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
         param = params[pname]
         loader = getattr(param, "weight_loader", None)
-        scale_param = params.get(pname + "_scale_inv") if scale is not None else None
+        scale_name = pname.removesuffix(".weight") + (
+            ".weight_scale_inv" if pname.endswith(".weight") else "_scale_inv"
+        )
+        scale_param = params.get(scale_name) if scale is not None else None
         if scale is not None and (param.dtype not in FP8_TYPES or scale_param is None):
             tensor = dequantize_fp8(tensor, scale)
         try:
@@ -184,7 +196,7 @@ def load_weights(model: torch.nn.Module, model_dir: str, names: dict[str, str] |
                     param.data.copy_(tensor)
                 if scale_param is not None:
                     scale_param.weight_loader(scale_param, scale, shard)
-                    filled.setdefault(pname + "_scale_inv", set()).add(shard)
+                    filled.setdefault(scale_name, set()).add(shard)
         except ValueError as e:
             raise CheckpointError(f"tensor {ckpt_name!r}: {e}") from None
         filled.setdefault(pname, set()).add(shard)

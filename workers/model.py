@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
 from parallel.collectives import tp_all_reduce, tp_compute_on_one_rank
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import (
@@ -299,6 +300,50 @@ class Experts(nn.Module):
         self.w13.weight_loader = self.load_w13
         self.w2.weight_loader = self.load_w2
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13.dtype == FP8_DTYPE
+
+    def use_fp8(self) -> bool:
+        """Keep the experts' weights FP8 with their 128x128 block scales (gate and up each in
+        its own grid: I need not fill whole blocks). Raises ValueError where expert TP would cut
+        a block."""
+        if self.inter_full != self.inter_local and self.inter_local % FP8_BLOCK:
+            ways = self.inter_full // self.inter_local
+            raise ValueError(
+                f"moe_intermediate_size={self.inter_full} split {ways} ways gives "
+                f"{self.inter_local} rows, which cuts the checkpoint's "
+                f"{FP8_BLOCK}x{FP8_BLOCK} FP8 scale blocks unevenly"
+            )
+        e, i, h = self.num_local, self.inter_local, self.w13.shape[2]
+        blocks_i, blocks_h = scale_grid(i, h)
+        device = self.w13.device
+
+        def frozen(*shape, dtype):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), False)
+
+        self.w13 = frozen(e, 2 * i, h, dtype=FP8_DTYPE)
+        self.w2 = frozen(e, h, i, dtype=FP8_DTYPE)
+        self.w13_scale_inv = frozen(e, 2, blocks_i, blocks_h, dtype=torch.float32)
+        self.w2_scale_inv = frozen(e, blocks_h, blocks_i, dtype=torch.float32)
+        self.w13.weight_loader = self.load_w13
+        self.w2.weight_loader = self.load_w2
+        self.w13_scale_inv.weight_loader = self.load_w13_scale
+        self.w2_scale_inv.weight_loader = self.load_w2_scale
+        return True
+
+    def load_w13_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
+        expert, part = shard_id
+        if (e := self._local(expert)) is not None:
+            blocks = param.shape[2]
+            rows = loaded.float().narrow(0, self.inter_offset // FP8_BLOCK, blocks)
+            param.data[e, part].copy_(rows)
+
+    def load_w2_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
+        if (e := self._local(shard_id)) is not None:
+            blocks = param.shape[2]
+            param.data[e].copy_(loaded.float().narrow(1, self.inter_offset // FP8_BLOCK, blocks))
+
     def _local(self, expert: int) -> int | None:
         e = expert - self.first_expert
         return e if 0 <= e < self.num_local else None
@@ -345,8 +390,16 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
+        experts = self.experts
         routed = ops.grouped_moe(
-            x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first_expert
+            x,
+            experts.w13,
+            experts.w2,
+            weights,
+            ids,
+            experts.first_expert,
+            getattr(experts, "w13_scale_inv", None),
+            getattr(experts, "w2_scale_inv", None),
         )
         # One all-reduce sums the shared expert's row-parallel partials and every rank's experts.
         return tp_all_reduce(routed + self.shared_experts(x))

@@ -106,6 +106,7 @@ def test_fp8_weights_stay_fp8_and_compute_the_dequantized_model(fp8_dir):
     assert f"{layer}.self_attn.q_b_proj.weight" in fp8  # column-parallel
     assert f"{layer}.self_attn.o_proj.weight" in fp8  # row-parallel
     assert "model.layers.0.mlp.gate_up_proj.weight" in fp8  # merged, parts of 128 rows
+    assert {f"{layer}.mlp.experts.w13", f"{layer}.mlp.experts.w2"} <= fp8  # routed experts
     # Read by the model rather than multiplied, or parts that do not fill whole blocks:
     # dequantized on load.
     assert f"{layer}.self_attn.kv_b_proj.weight" not in fp8
