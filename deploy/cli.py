@@ -64,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--json", action="store_true", help="print one JSON object")
 
+    plan = commands.add_parser(
+        "plan", help="weights and KV cache per rank, from a checkpoint or config.json alone"
+    )
+    plan.add_argument(
+        "--model", default=None, help="checkpoint directory (or one with only config.json)"
+    )
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --tp)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=141.0, help="memory of one GPU")
+    plan.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+
     tiny = commands.add_parser("make-tiny-model", help="write the tiny random test checkpoint")
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
@@ -89,6 +101,20 @@ def _run(args: argparse.Namespace) -> int:
         from workers.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.out_dir, seed=args.seed))
+        return 0
+
+    if args.command == "plan":
+        from workers.default_model import default_model_path
+        from workers.memory_plan import describe, plan_memory
+
+        plan = plan_memory(
+            args.model or default_model_path(),
+            args.tp,
+            args.ep,
+            args.gpu_memory_gib,
+            args.max_model_len,
+        )
+        print(plan.to_json() if args.json else describe(plan))
         return 0
 
     if args.command == "generate":

@@ -86,6 +86,11 @@ class Rotary(nn.Module):
 
         rope = config.rope_parameters or {"rope_type": "default"}
         rope_type = rope.get("rope_type", "default")
+        with torch.device("cpu"):  # also when the model is built on the meta device (a plan)
+            inv_freq = self._inv_freq(config, rope, rope_type, ROPE_INIT_FUNCTIONS)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def _inv_freq(self, config, rope: dict, rope_type: str, init_functions) -> torch.Tensor:
         if rope_type == "default":
             dim = config.qk_rope_head_dim
             inv_freq = 1.0 / (
@@ -93,8 +98,8 @@ class Rotary(nn.Module):
             )
             self.attention_scaling = 1.0
         else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+            inv_freq, self.attention_scaling = init_functions[rope_type](config, "cpu")
+        return inv_freq
 
     def cos_sin(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # One computation per forward, shared by every layer (and the MTP layer's own pass).
