@@ -1,0 +1,139 @@
+"""Prefix caching over HTTP, with the official `openai` client against an app of this test's own
+(MTP k = 2, 16-token blocks): `usage.prompt_tokens_details.cached_tokens` is exactly what the
+block keys predict (completions and chat, streamed usage too), the engine's hit counter sums
+them, and the text equals the offline engine's with prefix caching and MTP off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import app_args
+
+from deploy.openai_protocol import ChatCompletionRequest
+from deploy.openai_serving import chat_prompt_token_ids
+
+pytestmark = pytest.mark.timeout(240)
+
+APP = "prefixapp"
+BLOCK = 16
+NUM_DRAFTS = 2
+MAX_TOKENS = 8
+SYSTEM = "You are a terse assistant who answers in lists. " * 6
+
+
+@pytest.fixture(scope="module")
+def prefix_app(serve_url, tiny_model_dir):
+    """(openai client, model name, model-server handle) of an app only this module uses."""
+    import openai
+    from ray import serve
+
+    from deploy.app import MODEL_SERVER_NAME, build_app
+
+    args = {**app_args(tiny_model_dir, block_size_tokens=BLOCK), "num_draft_tokens": NUM_DRAFTS}
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    client = openai.OpenAI(
+        base_url=f"{serve_url}/{APP}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    model = client.models.list().data[0].id
+    yield client, model, serve.get_deployment_handle(MODEL_SERVER_NAME, app_name=APP)
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def reference_llm(tiny_model_dir):
+    from cluster.llm import LLM
+
+    return LLM(tiny_model_dir, dtype="float32", enable_prefix_caching=False)
+
+
+def _reference(llm, prompt_ids: list[int]):
+    from cluster.sampling_params import SamplingParams
+
+    [out] = llm.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return out
+
+
+def expected_cached_tokens(previous: list[int], num_computed: int, prompt: list[int]) -> int:
+    """What the cache holds for `prompt` after one earlier request whose tokens were `previous`
+    (`num_computed` of them in the cache): its leading full blocks whose key (the block plus,
+    with MTP, the next token) matches, that the earlier request finished (every row final:
+    computed through the next token), leaving at least the prompt's last token to compute."""
+    num = 0
+    while (
+        (num + 1) * BLOCK <= (len(prompt) - 1)
+        and (num + 1) * BLOCK + 1 <= num_computed
+        and prompt[: (num + 1) * BLOCK + 1] == previous[: (num + 1) * BLOCK + 1]
+    ):
+        num += 1
+    return num * BLOCK
+
+
+def test_completion_reports_cached_tokens_and_keeps_output(prefix_app, reference_llm):
+    client, model, handle = prefix_app
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 512, (70,), generator=g).tolist()
+    reference = _reference(reference_llm, prompt)
+    kwargs = dict(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+    hits_before = handle.engine_stats.remote().result()["prefix_cache_hit_tokens"]
+
+    first = client.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(**kwargs)
+    sequence = prompt + list(reference.token_ids)
+    num_computed = len(sequence) - 1  # a finished request's last token has no KV
+    cached = expected_cached_tokens(sequence, num_computed, prompt)
+    assert cached == 64  # (70 - 1) // 16 = 4 blocks
+    assert second.usage.prompt_tokens_details.cached_tokens == cached
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert first.choices[0].text == second.choices[0].text == streamed == reference.text
+    hits = handle.engine_stats.remote().result()["prefix_cache_hit_tokens"] - hits_before
+    assert hits == 2 * cached
+
+
+def test_chat_turns_report_cached_tokens_and_keep_output(prefix_app, reference_llm, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    client, model, _ = prefix_app
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Name three colors."},
+    ]
+    previous: list[int] = []
+    num_computed = 0
+    for turn, question in enumerate(["Name three animals.", "And three rivers."]):
+        prompt = chat_prompt_token_ids(
+            ChatCompletionRequest(model=model, messages=messages), tokenizer
+        )
+        reference = _reference(reference_llm, prompt)
+        response = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=turn == 1,
+            **({"stream_options": {"include_usage": True}} if turn == 1 else {}),
+        )
+        if turn == 1:
+            chunks = list(response)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            usage = chunks[-1].usage
+        else:
+            text, usage = response.choices[0].message.content, response.usage
+        assert text == reference.text
+        assert usage.prompt_tokens == len(prompt)
+        cached = expected_cached_tokens(previous, num_computed, prompt) if previous else 0
+        assert usage.prompt_tokens_details.cached_tokens == cached
+        if turn == 1:
+            assert cached >= len(tokenizer.encode(SYSTEM)) // BLOCK * BLOCK - BLOCK
+        previous = prompt + list(reference.token_ids)
+        num_computed = len(previous) - 1
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": question},
+        ]
