@@ -54,16 +54,19 @@ def _reference(llm, prompt_ids: list[int]):
     return out
 
 
-def expected_cached_tokens(previous: list[int], num_computed: int, prompt: list[int]) -> int:
+def expected_cached_tokens(
+    previous: list[int], num_computed: int, prompt: list[int], mtp: bool = True
+) -> int:
     """What the cache holds for `prompt` after one earlier request whose tokens were `previous`
     (`num_computed` of them in the cache): its leading full blocks whose key (the block plus,
     with MTP, the next token) matches, that the earlier request finished (every row final:
-    computed through the next token), leaving at least the prompt's last token to compute."""
+    with MTP, computed through the next token), leaving the prompt's last token to compute."""
+    extra = 1 if mtp else 0
     num = 0
     while (
         (num + 1) * BLOCK <= (len(prompt) - 1)
-        and (num + 1) * BLOCK + 1 <= num_computed
-        and prompt[: (num + 1) * BLOCK + 1] == previous[: (num + 1) * BLOCK + 1]
+        and (num + 1) * BLOCK + extra <= num_computed
+        and prompt[: (num + 1) * BLOCK + extra] == previous[: (num + 1) * BLOCK + extra]
     ):
         num += 1
     return num * BLOCK
