@@ -111,6 +111,7 @@ class LLMEngine:
         )
         self.spec_stats = SpecDecodeStats()
         self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
         self._counter = itertools.count()
 
     # --- requests ------------------------------------------------------------------------------
@@ -146,6 +147,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        # Told to the workers with the next step that runs (this one may schedule nothing).
+        self._preempted_ids += scheduled.preempted_ids
         if scheduled.is_empty:
             return []
         output = self.executor.execute(self._step_input(scheduled))  # raises WorkerError
@@ -175,12 +178,13 @@ class LLMEngine:
                 )
             )
         finished, self._finished_ids = self._finished_ids, []
+        preempted, self._preempted_ids = self._preempted_ids, []
         return StepInput(
             seqs,
             self.num_draft_tokens,
             self.config.share_topk,
             finished,
-            preempted_request_ids=list(scheduled.preempted_ids),
+            preempted_request_ids=preempted,
         )
 
     def fail_all(self, error: str) -> list[RequestOutput]:

@@ -188,3 +188,46 @@ def test_mtp_rows_after_a_hit_equal_a_cold_run(
             assert bad == [2 * BLOCK - 1]  # P3's row 31 pairs h_31 with P1's token 32
     # P2 hits blocks 0-1; P3 hits block 0 (block 1's key holds token 32), or both without it.
     assert warm.stats().prefix_cache_hit_tokens == (3 if next_token_in_key else 4) * BLOCK
+
+
+def test_preemption_drops_the_pending_hidden_state(tiny_model_dir):
+    """A request preempted between prefill chunks resumes from a cached prefix or from 0; the
+    hidden state its last chunk left pending belongs to the thrown-away computation, and its
+    pair's row may now lie in a shared block: the engine tells the workers with the next step
+    that runs (even when the step that preempted schedules nothing), and they drop it."""
+    from cluster.scheduler import SchedulerOutput
+    from workers.batch import StepInput
+
+    llm = _llm(tiny_model_dir, num_draft_tokens=2, max_num_batched_tokens=32)
+    engine = llm.engine
+    runner = engine.executor.worker.runner
+    g = torch.Generator().manual_seed(7)
+    request_id = engine.add_request(torch.randint(3, 512, (80,), generator=g).tolist(), _greedy())
+    engine.step()  # a 32-token chunk: h_31 is pending
+    assert runner.proposer.pending[request_id].position == 31
+
+    # The runner drops a preempted request's pending state, even in a step with no work.
+    runner.execute(StepInput([], 2, preempted_request_ids=[request_id]))
+    assert request_id not in runner.proposer.pending
+
+    # The engine sends the ids of a step that scheduled nothing with the next one that runs.
+    scheduler = engine.scheduler
+    [request] = scheduler.running
+    original = scheduler.schedule
+
+    def schedule_preempting() -> SchedulerOutput:
+        scheduler.schedule = original
+        output = SchedulerOutput()
+        scheduler._preempt(request, output)
+        return output
+
+    sent: list[list[str]] = []
+    execute = engine.executor.execute
+    engine.executor.execute = lambda step: (sent.append(step.preempted_request_ids), execute(step))[
+        1
+    ]
+    scheduler.schedule = schedule_preempting
+    assert engine.step() == [] and sent == []
+    while engine.has_unfinished:
+        engine.step()
+    assert sent[0] == [request_id] and all(ids == [] for ids in sent[1:])
