@@ -84,7 +84,7 @@ def test_greedy_identical_with_cache_hits(tiny_model_dir, turns, reference, k):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
 def test_greedy_identical_under_preemption_and_eviction(tiny_model_dir, turns, reference, k):
     # 11 usable blocks of 16 tokens for 4 conversations of up to ~110 tokens: requests are
     # preempted, and cached blocks evicted, over and over.

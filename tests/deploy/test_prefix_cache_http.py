@@ -140,3 +140,60 @@ def test_chat_turns_report_cached_tokens_and_keep_output(prefix_app, reference_l
             {"role": "assistant", "content": text},
             {"role": "user", "content": question},
         ]
+
+
+def test_usage_counts_a_prompts_cached_tokens_once_as_its_fewest():
+    """n choices of one prompt run side by side; later ones may hit what the first computed.
+    Prompt tokens count once per prompt, and so do its cached tokens: the fewest of its
+    choices' (what the prompt cost at least once)."""
+    from cluster.sampling_params import SamplingParams
+    from deploy.openai_serving import ChoicePlan, ChoiceResult, usage
+
+    plans = [
+        ChoicePlan(0, 0, list(range(100)), SamplingParams()),
+        ChoicePlan(1, 0, list(range(100)), SamplingParams()),
+        ChoicePlan(2, 1, list(range(70)), SamplingParams()),
+    ]
+    results = [
+        ChoiceResult(0, num_cached_tokens=64, completion_token_ids=[1, 2]),
+        ChoiceResult(1, num_cached_tokens=0, completion_token_ids=[3]),
+        ChoiceResult(2, num_cached_tokens=64, completion_token_ids=[4, 5, 6]),
+    ]
+    info = usage(results, plans)
+    assert (info.prompt_tokens, info.completion_tokens, info.total_tokens) == (170, 6, 176)
+    assert info.prompt_tokens_details.cached_tokens == 0 + 64
+
+
+def test_prefix_cache_counters_move_by_the_engine_counters_difference(monkeypatch):
+    """The engine's counters are cumulative; Prometheus counters get the increments, and a
+    restarted engine (counting from zero again) adds its whole count."""
+    import deploy.metrics as metrics_module
+
+    class Recorder:
+        def __init__(self, name, **kwargs):
+            self.name, self.total = name, 0.0
+
+        def inc(self, value=1.0, tags=None):
+            self.total += value
+
+        def set(self, value, tags=None):
+            self.total = value
+
+        def observe(self, value, tags=None):
+            pass
+
+        def set_default_tags(self, tags):
+            pass
+
+    class FakeMetrics:
+        Counter = Gauge = Histogram = Recorder
+
+    monkeypatch.setattr(metrics_module, "metrics", FakeMetrics)
+    engine_metrics = metrics_module.EngineMetrics("m")
+    base = dict(num_waiting=0, num_running=0, kv_usage=0.0, mean_tokens_per_round=1.0)
+    for queried, hit in [(100, 64), (250, 192), (250, 192), (40, 0)]:  # the last after a restart
+        engine_metrics.record_engine_stats(
+            {**base, "prefix_cache_queried_tokens": queried, "prefix_cache_hit_tokens": hit}
+        )
+    assert engine_metrics.prefix_cache_queries.total == 250 + 40
+    assert engine_metrics.prefix_cache_hits.total == 192
