@@ -231,3 +231,13 @@ def test_preemption_drops_the_pending_hidden_state(tiny_model_dir):
     while engine.has_unfinished:
         engine.step()
     assert sent[0] == [request_id] and all(ids == [] for ids in sent[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [0, 2])
+def test_gpu_greedy_identical_with_cache_hits(tiny_model_dir, turns, reference, k):
+    """On the GPU (fp32, Triton kernels, CUDA-graph decode steps and proposals): hits change
+    no token against the CPU reference without the cache."""
+    llm = _llm(tiny_model_dir, num_draft_tokens=k, device="cuda")
+    assert _converse(llm, *turns) == reference
+    assert llm.stats().prefix_cache_hit_tokens > 0
