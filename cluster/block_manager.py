@@ -35,7 +35,9 @@ Rows become final in order, so a block is final once the caches past it have bee
 Hence a block ending at position e is final when num_computed_tokens >= e + 1, or >= e + 2 with
 the next token in the key. Every later write of the request (verify tokens, rejected drafts, MTP
 lookahead rows, a pending pair) lands at a position >= num_computed_tokens - 1, past every final
-block: nothing ever writes into a published or shared block.
+block: nothing ever writes into a published or shared block. (A preempted request starts over;
+the workers drop the hidden state its last chunk left pending, whose pair would otherwise land
+in a block the resumed request may now share: `StepInput.preempted_request_ids`.)
 """
 
 from __future__ import annotations
@@ -297,16 +299,6 @@ class BlockManager:
     def is_shared_or_cached(self, block_id: int) -> bool:
         """True when a write into `block_id` could be seen by another request."""
         return self._ref_counts[block_id] > 1 or block_id in self._key_by_block
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every evictable cached block (they become never-cached free blocks). Blocks in
-        use keep their keys. Returns the number forgotten."""
-        forgotten = list(self._evictable)
-        for block_id in forgotten:
-            del self._block_by_key[self._key_by_block.pop(block_id)]
-            self._free_block_ids.append(block_id)
-        self._evictable.clear()
-        return len(forgotten)
 
     def check_invariants(self, requests: Iterable[Request]) -> None:
         """Assert the class invariants, given every request that holds blocks."""
