@@ -197,3 +197,15 @@ def test_prefix_cache_counters_move_by_the_engine_counters_difference(monkeypatc
         )
     assert engine_metrics.prefix_cache_queries.total == 250 + 40
     assert engine_metrics.prefix_cache_hits.total == 192
+
+
+def test_cli_flag_turns_prefix_caching_off():
+    from cluster.config import EngineConfig
+    from deploy.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).enable_prefix_caching is True
+    assert EngineConfig(model="m").enable_prefix_caching is True
+    for command in (["serve"], ["generate", "--prompt", "x"]):
+        args = parser.parse_args([*command, "--no-enable-prefix-caching"])
+        assert args.enable_prefix_caching is False
