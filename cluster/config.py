@@ -23,6 +23,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(config.max_position_embeddings, 8192)
     num_kv_blocks: int | None = None  # None: sized from memory
     block_size_tokens: int = 64
+    # Full blocks of a prompt that an earlier request computed are reused, not recomputed.
+    enable_prefix_caching: bool = True
     max_queued_requests: int = 256
     # "auto" (in-process for TP=1, Ray otherwise) | "inprocess" | "ray" | "package.module:Class"
     executor: str = "auto"

@@ -16,9 +16,11 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from deploy.ingress import OpenAIIngress
 from deploy.model_server import ModelServer
+from deploy.prefix_router import DEFAULT_BLOCK_SIZE_TOKENS, PrefixAffinityRouter
 
 MODEL_SERVER_NAME = "ModelServer"
 INGRESS_NAME = "OpenAIIngress"
@@ -50,6 +52,9 @@ class AppArgs(BaseModel):
     model_server_max_ongoing_requests: int = Field(256, ge=1)
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     num_replicas: int = Field(1, ge=1)
+    # Send a request to the replica that was sent the longest prefix of its tokens (its prefix
+    # cache likely holds them): deploy/prefix_router.py. Off: Serve's power of two choices.
+    prefix_aware_routing: bool = True
     autoscaling_config: dict[str, Any] | None = None
 
     @property
@@ -95,6 +100,16 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         if args.autoscaling_config
         else {"num_replicas": args.num_replicas}
     )
+    routing: dict[str, Any] = {}
+    if args.prefix_aware_routing:
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter,
+            request_router_kwargs={
+                "block_size_tokens": args.engine.get(
+                    "block_size_tokens", DEFAULT_BLOCK_SIZE_TOKENS
+                ),
+            },
+        )
     model_server = serve.deployment(ModelServer).options(
         name=MODEL_SERVER_NAME,
         max_ongoing_requests=args.model_server_max_ongoing_requests,
@@ -105,6 +120,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=20,
         **scaling,
+        **routing,
     )
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_NAME,

@@ -27,6 +27,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="draft steps 1..k-1 reuse draft step 0's top-k indices",
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of full 64-token blocks an earlier prompt computed (default: on)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
         "--indexer-numerics",
@@ -132,6 +138,7 @@ def _run(args: argparse.Namespace) -> int:
             share_topk=args.share_topk,
             device=args.device,
             indexer_numerics=args.indexer_numerics,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         if args.json:
             print(json.dumps(result))
@@ -151,7 +158,10 @@ def _run(args: argparse.Namespace) -> int:
 
         check_checkpoint(args.model, args.tp, args.ep)  # before Ray starts
 
-        engine = {"indexer_numerics": args.indexer_numerics}
+        engine = {
+            "indexer_numerics": args.indexer_numerics,
+            "enable_prefix_caching": args.enable_prefix_caching,
+        }
         if args.served_model_name is not None:
             engine["served_model_name"] = args.served_model_name
         if args.max_num_seqs is not None:

@@ -27,6 +27,7 @@ from deploy.openai_protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
+    PromptTokensDetails,
     ToolCall,
     TopLogprob,
     UsageInfo,
@@ -50,6 +51,7 @@ class ChoiceResult:
     index: int
     text: str = ""
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     completion_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
@@ -57,6 +59,7 @@ class ChoiceResult:
     def update(self, out: RequestOutput) -> None:
         self.text = out.text
         self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
         self.completion_token_ids = list(out.token_ids)
         if out.logprobs is not None:  # cumulative over the completion
             self.logprobs = list(out.logprobs)
@@ -305,16 +308,22 @@ def plan_chat(
 
 
 def usage(results: list[ChoiceResult], plans: list[ChoicePlan]) -> UsageInfo:
-    """Prompt tokens count once per distinct prompt, completion tokens once per choice."""
-    prompt_tokens = {}
-    for plan in plans:
+    """Prompt tokens count once per distinct prompt, completion tokens once per choice. A
+    prompt's cached tokens are the fewest any of its choices took from the prefix cache (its
+    choices run side by side, so later ones may hit what the first computed)."""
+    prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
+    for plan, result in zip(plans, results):
         prompt_tokens[plan.prompt_index] = len(plan.prompt_token_ids)
+        cached = min(result.num_cached_tokens, cached_tokens.get(plan.prompt_index, 1 << 62))
+        cached_tokens[plan.prompt_index] = cached
     completion_tokens = sum(len(r.completion_token_ids) for r in results)
     total_prompt = sum(prompt_tokens.values())
     return UsageInfo(
         prompt_tokens=total_prompt,
         completion_tokens=completion_tokens,
         total_tokens=total_prompt + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_tokens.values())),
     )
 
 

@@ -73,6 +73,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         self._forget(step.finished_request_ids)
+        if self.proposer is not None:
+            self.proposer.forget(step.preempted_request_ids)
         if not step.seqs:
             return StepOutput([])
         batch = self._prepare(step.seqs)
