@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve test gpu-test
+.PHONY: setup serve test test-slow gpu-test
 
 $(BIN)/mtpserve: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,8 +19,18 @@ setup: $(BIN)/mtpserve
 serve: setup
 	$(BIN)/mtpserve serve
 
+# Run again where Triton cannot be imported, as on macOS and Windows (no Triton builds there).
+NO_TRITON_TESTS := tests/test_no_triton.py tests/deploy/test_cli.py tests/deploy/test_serve_cli.py \
+	tests/deploy/test_batch_job.py tests/parallel/test_tp_greedy.py
+
 test: setup
-	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" tests
+	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu and not slow" tests
+	PYTHONPATH=.ci/no-triton RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m no_triton \
+		$(NO_TRITON_TESTS)
+
+# The longer CPU tiers (e.g. 44 more configs of the config family, ~1.5 min on 2 cores).
+test-slow: setup
+	RAY_AUTH_MODE=disabled TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m slow tests
 
 gpu-test:
 	python3 -m pytest -q -m gpu tests

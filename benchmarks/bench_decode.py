@@ -96,6 +96,44 @@ def build_model(config) -> DeepseekV32ForCausalLM:
     return model.eval()
 
 
+@torch.no_grad()
+def to_fp8(model) -> int:
+    """Quantize every layer a DeepSeek FP8 checkpoint ships in FP8 (the linears the model
+    multiplies by, the routed experts) to block-scaled FP8 kept in HBM, as the loader keeps a
+    real checkpoint's; the LM head, embeddings, norms and router stay as they are. Returns the
+    layers converted."""
+    from kernels.fp8 import quantize_fp8_reference
+
+    converted = 0
+    for module in list(model.modules()):
+        if not getattr(module, "quantizable", hasattr(module, "w13")) or not hasattr(
+            module, "use_fp8"
+        ):
+            continue
+        if hasattr(module, "w13"):
+            w13, w2 = module.w13.data, module.w2.data
+            inter = w2.shape[2]
+            module.use_fp8()
+            for e in range(w13.shape[0]):
+                for part in range(2):
+                    rows = w13[e, part * inter : (part + 1) * inter]
+                    q, scale = quantize_fp8_reference(rows)
+                    module.w13.data[e, part * inter : (part + 1) * inter] = q
+                    module.w13_scale_inv.data[e, part] = scale
+                q, scale = quantize_fp8_reference(w2[e])
+                module.w2.data[e], module.w2_scale_inv.data[e] = q, scale
+        else:
+            weight = module.weight.data
+            if not module.use_fp8():
+                continue
+            q, scale = quantize_fp8_reference(weight)
+            module.weight.data.copy_(q)
+            module.weight_scale_inv.data.copy_(scale)
+        converted += 1
+    torch.cuda.empty_cache()
+    return converted
+
+
 def weight_bytes(model, batch: int) -> dict[str, float]:
     """HBM bytes of the weights one decode step of `batch` sequences must read."""
     cfg = model.config
@@ -281,6 +319,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument(
+        "--fp8", action="store_true", help="the slice with DeepSeek's block-scaled FP8 weights"
+    )
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument(
@@ -406,9 +447,12 @@ def run_single(args, emit, bw: float) -> None:
     """The single-GPU tables."""
     config = slice_config(args.layers)
     model = build_model(config)
+    if args.fp8:
+        converted = to_fp8(model)
     emit(
         f"slice: {args.layers} layers (1 dense + {args.layers - 1} MoE) + MTP, "
         f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params"
+        + (f", {converted} layers in block-scaled FP8 (LM head bf16)" if args.fp8 else "")
     )
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
     if args.profile:
@@ -465,10 +509,10 @@ def run_single(args, emit, bw: float) -> None:
     )
 
     # The engine's configuration: verify steps and whole proposals replay graphs, PDL on.
-    from workers.cuda_graph import ProposeGraphs
+    from workers.mtp_proposer import MtpProposer
 
     bench.runner.graphs = graphs[True]
-    bench.runner.propose_graphs = ProposeGraphs(model, bench.runner.topk_share, graphs[True])
+    bench.runner.proposer = MtpProposer(model, BLOCK, graphs[True])
     # Top-k sharing skips the MTP indexer's work, which grows with the context: hence 32k too.
     emit("\n| k | share top-k | round ms (b=1, 1k) | round ms (b=8, 1k) | round ms (b=1, 32k) |")
     emit("|---|---|---|---|---|")

@@ -23,8 +23,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(config.max_position_embeddings, 8192)
     num_kv_blocks: int | None = None  # None: sized from memory
     block_size_tokens: int = 64
+    # Full blocks of a prompt that an earlier request computed are reused, not recomputed.
+    enable_prefix_caching: bool = True
     max_queued_requests: int = 256
-    executor: str = "auto"  # "auto" (in-process for TP=1, Ray otherwise) | "inprocess" | "ray"
+    # "auto" (in-process for TP=1, Ray otherwise) | "inprocess" | "ray" | "package.module:Class"
+    executor: str = "auto"
     actor_num_cpus: float = 1.0  # CPU request of each Ray actor (fractions allowed)
     gpu_memory_utilization: float = 0.85
     step_timeout_s: float = 120.0  # a step that takes longer is a dead worker

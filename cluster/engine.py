@@ -29,6 +29,9 @@ class EngineStats:
     num_total_blocks: int
     mean_tokens_per_round: float
     acceptance_per_position: list[float]
+    # Prefix caching, cumulative, in tokens: what admissions looked up, and found cached.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -63,8 +66,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         from workers.loader import load_config
+        from workers.model_config import check_model_config
 
         model_config = load_config(config.model)
+        check_model_config(model_config, config.tp_size, config.ep_size)  # before any weights
         self.vocab_size = model_config.vocab_size
         self.max_model_len = config.max_model_len or min(
             model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
@@ -78,7 +83,14 @@ class LLMEngine:
         # Before the engine exists for anyone: the first request must not pay for compilation.
         self.warm_up = self.executor.warm_up(num_drafts, config.share_topk)
         num_blocks = self.executor.num_kv_blocks
-        block_manager = BlockManager(num_blocks, config.block_size_tokens)
+        block_manager = BlockManager(
+            num_blocks,
+            config.block_size_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            # The MTP layer's row at a block's last position depends on the next block's first
+            # token (cluster/block_manager.py says why and what it costs).
+            key_includes_next_token=num_drafts > 0,
+        )
         capacity = block_manager.capacity_tokens
         if capacity < self.max_model_len + 2 * num_drafts:
             self.max_model_len = capacity - 2 * num_drafts
@@ -101,6 +113,7 @@ class LLMEngine:
         )
         self.spec_stats = SpecDecodeStats()
         self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
         self._counter = itertools.count()
 
     # --- requests ------------------------------------------------------------------------------
@@ -136,6 +149,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        # Told to the workers with the next step that runs (this one may schedule nothing).
+        self._preempted_ids += scheduled.preempted_ids
         if scheduled.is_empty:
             return []
         output = self.executor.execute(self._step_input(scheduled))  # raises WorkerError
@@ -165,7 +180,14 @@ class LLMEngine:
                 )
             )
         finished, self._finished_ids = self._finished_ids, []
-        return StepInput(seqs, self.num_draft_tokens, self.config.share_topk, finished)
+        preempted, self._preempted_ids = self._preempted_ids, []
+        return StepInput(
+            seqs,
+            self.num_draft_tokens,
+            self.config.share_topk,
+            finished,
+            preempted_request_ids=preempted,
+        )
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every unfinished request with an error (a rank failed); frees their blocks."""
@@ -186,6 +208,8 @@ class LLMEngine:
             num_total_blocks=bm.num_usable_blocks,
             mean_tokens_per_round=self.spec_stats.mean_tokens_per_round,
             acceptance_per_position=self.spec_stats.acceptance_per_position,
+            prefix_cache_queried_tokens=bm.stats.num_queried_tokens,
+            prefix_cache_hit_tokens=bm.stats.num_hit_tokens,
         )
 
     def check_health(self) -> None:

@@ -94,6 +94,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[Any] | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     spec: SpecDecodeStats | None = None
     error: str | None = None
     new_logprobs: list[Any] | None = None
@@ -135,6 +136,7 @@ def make_request_output(request: Request) -> RequestOutput:
         stop_reason=request.stop_reason,
         logprobs=list(logprobs) if logprobs is not None else None,
         num_prompt_tokens=len(request.prompt_token_ids),
+        num_cached_tokens=request.num_cached_tokens,
         spec=request.spec_stats,
         error=request.error,
         new_logprobs=new_logprobs,

@@ -57,6 +57,11 @@ class Request:
       `output_token_ids` until verified. `[]` when none (MTP off, or dropped on preemption).
     - `num_prefill_tokens`: the prefill (or, after preemption, the recompute) is complete once
       `num_computed_tokens >= num_prefill_tokens`.
+    - Prefix caching: `block_keys[b]` names full block b's content (see
+      `cluster.block_manager.block_key`; tokens only grow, so a key never changes once known);
+      the first `num_final_blocks` of `block_ids` hold final rows in every cache and were
+      offered to the cache; `num_cached_tokens` is how many prompt tokens the first admission
+      took from the cache (what `usage.prompt_tokens_details.cached_tokens` reports).
     - `output_text` never contains EOS / stop-token text or a stop string or anything after it.
     """
 
@@ -78,6 +83,9 @@ class Request:
     output_logprobs: list[Any] = field(default_factory=list)
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     detokenizer: IncrementalDetokenizer | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    num_final_blocks: int = 0
+    num_cached_tokens: int = 0
     num_prefill_tokens: int = -1  # set to len(prompt) in __post_init__, num_tokens on preemption
     # Streaming markers, advanced by `cluster.outputs.make_request_output`.
     num_sent_tokens: int = 0

@@ -7,7 +7,9 @@ One engine step is `schedule()` -> execute on the workers -> `update(results)`.
 1. running requests past their prefill (decodes), oldest first: each computes the KV of its last
    sampled token plus its drafts (`1 + k` tokens, the verify step);
 2. running requests still prefilling (a chunk each), oldest first;
-3. waiting requests (preempted ones at the front), in order, chunked to the remaining budget.
+3. waiting requests (preempted ones at the front), in order, chunked to the remaining budget;
+   each first takes the longest prefix of its tokens the block manager has cached (prefix
+   caching), and its prefill starts after it.
 A running request that cannot get its KV blocks preempts the most recently arrived running
 request that is younger than it and not yet scheduled this step; when none is left a decode
 preempts itself and a prefill chunk waits (keeping its blocks), and no new request is admitted
@@ -233,8 +235,10 @@ class Scheduler:
         drafts they feed back), so a step that samples owns them too."""
         return max(0, self.config.num_draft_tokens - 1)
 
-    def _prefill_slots(self, request: Request, num_chunk_tokens: int) -> int:
-        end = request.num_computed_tokens + num_chunk_tokens
+    def _prefill_slots(
+        self, request: Request, num_chunk_tokens: int, start: int | None = None
+    ) -> int:
+        end = (request.num_computed_tokens if start is None else start) + num_chunk_tokens
         return end + (self._num_lookahead_slots if end == request.num_tokens else 0)
 
     def _max_drafts(self, request: Request) -> int:
@@ -277,9 +281,11 @@ class Scheduler:
             self._preempt(max(candidates, key=self._arrival_key), output)
         return True
 
-    def _prefill_chunk(self, request: Request, budget_tokens: int) -> int:
-        """Tokens of the prefill to compute this step; 0 if it must wait."""
-        num_remaining = request.num_prefill_tokens - request.num_computed_tokens
+    def _prefill_chunk(self, request: Request, budget_tokens: int, start: int | None = None) -> int:
+        """Tokens of the prefill to compute this step from `start` (default: the computed
+        ones); 0 if it must wait."""
+        start = request.num_computed_tokens if start is None else start
+        num_remaining = request.num_prefill_tokens - start
         if self.config.enable_chunked_prefill:
             return min(num_remaining, budget_tokens)
         return num_remaining if num_remaining <= budget_tokens else 0
@@ -364,13 +370,20 @@ class Scheduler:
             request = self.waiting[0]
             if request.request_id in output.preempted_ids:
                 break  # preempted this very step: its blocks went to someone else
-            num_chunk = self._prefill_chunk(request, budget_tokens)
+            cached_block_ids = self.block_manager.lookup(request)
+            num_cached = len(cached_block_ids) * self.config.block_size_tokens
+            num_chunk = self._prefill_chunk(request, budget_tokens, num_cached)
             if num_chunk == 0:
                 break
-            num_slots = self._prefill_slots(request, num_chunk)
-            if not self.block_manager.can_allocate(request, num_slots):
+            num_slots = self._prefill_slots(request, num_chunk, num_cached)
+            if not self.block_manager.can_acquire_and_allocate(
+                request, cached_block_ids, num_slots
+            ):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = self.block_manager.acquire(request, cached_block_ids)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(self._schedule_prefill(request, num_chunk))
@@ -403,6 +416,7 @@ class Scheduler:
             request.num_computed_tokens += len(scheduled.token_ids) - num_rejected
             # Slots of rejected drafts hold stale KV; give back blocks wholly past the prefix.
             self.block_manager.truncate(request, request.num_computed_tokens)
+            self.block_manager.cache_final_blocks(request)
             if not scheduled.samples:
                 continue
             if not scheduled.is_prefill:

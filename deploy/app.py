@@ -16,9 +16,11 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from deploy.ingress import OpenAIIngress
 from deploy.model_server import ModelServer
+from deploy.prefix_router import DEFAULT_BLOCK_SIZE_TOKENS, PrefixAffinityRouter
 
 MODEL_SERVER_NAME = "ModelServer"
 INGRESS_NAME = "OpenAIIngress"
@@ -51,6 +53,9 @@ class AppArgs(BaseModel):
     model_server_max_ongoing_requests: int = Field(256, ge=1)
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     num_replicas: int = Field(1, ge=1)
+    # Send a request to the replica that was sent the longest prefix of its tokens (its prefix
+    # cache likely holds them): deploy/prefix_router.py. Off: Serve's power of two choices.
+    prefix_aware_routing: bool = True
     autoscaling_config: dict[str, Any] | None = None
     # Streamed chunks per second a model-server replica sends in all (a stream's chunks are
     # spaced by streams / this; 0: one chunk per engine step; None: 50 per core of the node, at
@@ -60,7 +65,8 @@ class AppArgs(BaseModel):
     access_log: bool = False
     # One deployment: the ingress with the engine in its process (deploy/openai_server.py);
     # a request crosses one Ray hop, not two. Ingress fields other than max_ongoing_requests
-    # are unused then.
+    # are unused then, and so is prefix_aware_routing (Serve's proxy routes HTTP requests
+    # before any token is known).
     colocate: bool = False
 
     @property
@@ -122,6 +128,16 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             **scaling,
         )
         return server.bind(engine_config_dict(args), args.stream_chunks_per_s)
+    routing: dict[str, Any] = {}
+    if args.prefix_aware_routing:
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter,
+            request_router_kwargs={
+                "block_size_tokens": args.engine.get(
+                    "block_size_tokens", DEFAULT_BLOCK_SIZE_TOKENS
+                ),
+            },
+        )
     model_server = serve.deployment(ModelServer).options(
         name=MODEL_SERVER_NAME,
         max_ongoing_requests=args.model_server_max_ongoing_requests,
@@ -133,6 +149,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         graceful_shutdown_timeout_s=20,
         logging_config={"enable_access_log": args.access_log},
         **scaling,
+        **routing,
     )
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_NAME,

@@ -4,8 +4,10 @@ Run it on a cluster with
     ray job submit --address http://HEAD:8265 -- python -m deploy.batch --input ... --output ...
 
 Input: one JSON object per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages":
-[...]}` (chat template applied), optionally with `max_tokens`, `temperature`, `top_p`, `top_k`,
-`seed`, `stop`, `ignore_eos`. A line without an id gets `line-<n>` (1-based).
+[...]}` (the chat template applied, or DeepSeek-V3.2's own encoding for a checkpoint without one;
+`tools` and `chat_template_kwargs` as over HTTP), optionally with `max_tokens`, `temperature`,
+`top_p`, `top_k`, `seed`, `stop`, `ignore_eos`. A line without an id gets `line-<n>` (1-based).
+The output is the model's raw text (reasoning and DSML tool calls are not parsed here).
 
 Output: one JSON object per request, appended as each finishes:
 `{"id", "text", "completion_token_ids", "num_prompt_tokens", "finish_reason", "error": null}`, or
@@ -71,9 +73,22 @@ def read_requests(input_path: str) -> Iterator[tuple[str, dict[str, Any] | None,
 
 def _prompt_token_ids(request: dict[str, Any], tokenizer) -> list[int]:
     if "messages" in request:
-        text = tokenizer.apply_chat_template(
-            request["messages"], tokenize=False, add_generation_prompt=True
-        )
+        kwargs = request.get("chat_template_kwargs") or {}
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                request["messages"],
+                tools=request.get("tools"),
+                tokenize=False,
+                add_generation_prompt=True,
+                **kwargs,
+            )
+        else:  # a DeepSeek-V3.2 checkpoint without a template: its own encoding
+            from deploy.chat_dsv32 import encode_messages
+
+            thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+            text = encode_messages(
+                request["messages"], thinking=thinking, tools=request.get("tools")
+            )
         return tokenizer.encode(text, add_special_tokens=False)
     prompt = request["prompt"]
     if isinstance(prompt, str):

@@ -27,6 +27,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="draft steps 1..k-1 reuse draft step 0's top-k indices",
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of full 64-token blocks an earlier prompt computed (default: on)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
         "--indexer-numerics",
@@ -69,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--json", action="store_true", help="print one JSON object")
 
+    plan = commands.add_parser(
+        "plan", help="weights and KV cache per rank, from a checkpoint or config.json alone"
+    )
+    plan.add_argument(
+        "--model", default=None, help="checkpoint directory (or one with only config.json)"
+    )
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --tp)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=141.0, help="memory of one GPU")
+    plan.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+
     tiny = commands.add_parser("make-tiny-model", help="write the tiny random test checkpoint")
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
@@ -76,13 +94,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from workers.loader import CheckpointError
+    from workers.model_config import ModelConfigError
+
+    try:
+        return _run(args)
+    except (CheckpointError, ModelConfigError) as e:  # the user's checkpoint or options
+        parser.exit(2, f"mtpserve: error: {e}\n")
+
+
+def _run(args: argparse.Namespace) -> int:
 
     if args.command == "make-tiny-model":
         from workers.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.out_dir, seed=args.seed))
+        return 0
+
+    if args.command == "plan":
+        from workers.default_model import default_model_path
+        from workers.memory_plan import describe, plan_memory
+
+        plan = plan_memory(
+            args.model or default_model_path(),
+            args.tp,
+            args.ep,
+            args.gpu_memory_gib,
+            args.max_model_len,
+        )
+        print(plan.to_json() if args.json else describe(plan))
         return 0
 
     if args.command == "generate":
@@ -100,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             share_topk=args.share_topk,
             device=args.device,
             indexer_numerics=args.indexer_numerics,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         if args.json:
             print(json.dumps(result))
@@ -115,8 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from deploy.app import AppArgs
         from deploy.local_server import serve_until_interrupted
+        from workers.model_config import check_checkpoint
 
-        engine = {"indexer_numerics": args.indexer_numerics}
+        check_checkpoint(args.model, args.tp, args.ep)  # before Ray starts
+
+        engine = {
+            "indexer_numerics": args.indexer_numerics,
+            "enable_prefix_caching": args.enable_prefix_caching,
+        }
         if args.served_model_name is not None:
             engine["served_model_name"] = args.served_model_name
         if args.max_num_seqs is not None:

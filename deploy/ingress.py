@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
+from cluster.sampling_params import InvalidRequestError
 from deploy import openai_serving as serving
 from deploy.messages import GenerateChunk, GenerateFailure, GenerateRequest, ModelInfo
 from deploy.openai_protocol import (
@@ -34,15 +35,18 @@ from deploy.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatResponseMessage,
     CompletionChoice,
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorBody,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     random_id,
 )
 
@@ -126,6 +130,7 @@ class OpenAIIngress:
         self._stream_server = model_server.options(stream=True)
         self._info: ModelInfo | None = None
         self._tokenizer = None
+        self._chat_format = serving.ChatFormat()
         self._ready_lock: asyncio.Lock | None = None
 
     async def _ready(self) -> tuple[ModelInfo, object]:
@@ -138,6 +143,9 @@ class OpenAIIngress:
                     info: ModelInfo = await self._model_server.model_info.remote()
                     self._tokenizer = await asyncio.to_thread(
                         AutoTokenizer.from_pretrained, info.model_dir
+                    )
+                    self._chat_format = serving.ChatFormat.for_checkpoint(
+                        info.model_dir, self._tokenizer
                     )
                     self._info = info
         return self._info, self._tokenizer
@@ -159,6 +167,53 @@ class OpenAIIngress:
     async def models(self) -> ModelList:
         info, _ = await self._ready()
         return ModelList(data=[ModelCard(id=info.model_name, max_model_len=info.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str):
+        info, _ = await self._ready()
+        if (not_found := self._check_model(model_id, info)) is not None:
+            return not_found
+        return ModelCard(id=info.model_name, max_model_len=info.max_model_len)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: TokenizeRequest):
+        """vLLM's shape: a prompt, or messages rendered exactly as for a chat completion."""
+        info, tokenizer = await self._ready()
+        not_found = self._check_model(request.model, info) if request.model else None
+        if not_found is not None:
+            return not_found
+        if request.messages is not None:
+            try:
+                text = self._chat_format.prompt_text(request, tokenizer)
+            except InvalidRequestError as exc:
+                return error_response(400, exc.message, "invalid_request_error", exc.param)
+            except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
+                return error_response(
+                    400, f"chat template failed: {exc}", "invalid_request_error", "messages"
+                )
+            add_special_tokens = bool(request.add_special_tokens)
+        else:
+            text = request.prompt
+            add_special_tokens = request.add_special_tokens is not False
+        tokens = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        token_strs = tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+        return TokenizeResponse(
+            count=len(tokens),
+            max_model_len=info.max_model_len,
+            tokens=tokens,
+            token_strs=token_strs,
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: DetokenizeRequest):
+        info, tokenizer = await self._ready()
+        not_found = self._check_model(request.model, info) if request.model else None
+        if not_found is not None:
+            return not_found
+        if any(not 0 <= t < len(tokenizer) for t in request.tokens):
+            message = f"token ids must be in [0, {len(tokenizer)})"
+            return error_response(400, message, "invalid_request_error", "tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -215,7 +270,9 @@ class OpenAIIngress:
         if (not_found := self._check_model(request.model, info)) is not None:
             return not_found
         try:
-            prompt_ids = serving.chat_prompt_token_ids(request, tokenizer)
+            prompt_ids = serving.chat_prompt_token_ids(request, tokenizer, self._chat_format)
+        except InvalidRequestError as exc:
+            return error_response(400, exc.message, "invalid_request_error", exc.param)
         except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
             return error_response(
                 400, f"chat template failed: {exc}", "invalid_request_error", param="messages"
@@ -233,19 +290,23 @@ class OpenAIIngress:
         results = await self._collect(plans, merged)
         if isinstance(results, JSONResponse):
             return results
-        choices = [
-            ChatCompletionChoice(
-                index=r.index,
-                message=ChatResponseMessage(content=r.text),
-                logprobs=(
-                    serving.chat_logprobs(r.logprobs, tokenizer, num_top)
-                    if request.logprobs
-                    else None
-                ),
-                finish_reason=r.finish_reason,
+        choices = []
+        for r in results:
+            message, finish_reason = self._chat_format.answer(request).message(
+                r.text, r.finish_reason
             )
-            for r in results
-        ]
+            choices.append(
+                ChatCompletionChoice(
+                    index=r.index,
+                    message=message,
+                    logprobs=(
+                        serving.chat_logprobs(r.logprobs, tokenizer, num_top)
+                        if request.logprobs
+                        else None
+                    ),
+                    finish_reason=finish_reason,
+                )
+            )
         return ChatCompletionResponse(
             id=request_id,
             model=info.model_name,
@@ -411,6 +472,7 @@ class OpenAIIngress:
 
     async def _chat_events(self, request, request_id, info, plans, merged, tokenizer, num_top):
         results = [serving.ChoiceResult(index=plan.index) for plan in plans]
+        answers = [self._chat_format.answer(request) for _ in plans]
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
         def chunk(choices, usage=None) -> str:
@@ -439,16 +501,21 @@ class OpenAIIngress:
                 results[index].update(item)
                 if not item.new_text and not item.finished:
                     continue
+                delta, finish_reason = answers[index].delta(
+                    item.new_text, item.finish_reason if item.finished else None
+                )
                 logprobs = None
                 if request.logprobs:
                     logprobs = serving.chat_logprobs(item.new_logprobs or [], tokenizer, num_top)
+                elif delta == ChatDelta() and finish_reason is None:
+                    continue  # text held back by the parser (a marker may be starting)
                 yield chunk(
                     [
                         ChatChunkChoice(
                             index=index,
-                            delta=ChatDelta(content=item.new_text or None),
+                            delta=delta,
                             logprobs=logprobs,
-                            finish_reason=item.finish_reason if item.finished else None,
+                            finish_reason=finish_reason,
                         )
                     ]
                 )

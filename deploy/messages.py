@@ -36,6 +36,7 @@ class GenerateChunk:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     new_logprobs: list[dict[str, Any]] | None = None  # one entry per new token, when asked
+    num_cached_tokens: int = 0  # the request's prompt tokens served from the prefix cache
 
 
 @dataclasses.dataclass(frozen=True)

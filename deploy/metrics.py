@@ -67,6 +67,16 @@ class EngineMetrics:
             description="Output tokens streamed to callers (aborted requests' included).",
             tag_keys=tags,
         )
+        self.prefix_cache_queries = metrics.Counter(
+            "mtpserve_prefix_cache_queries",
+            description="Prompt tokens looked up in the prefix cache (each admission).",
+            tag_keys=tags,
+        )
+        self.prefix_cache_hits = metrics.Counter(
+            "mtpserve_prefix_cache_hits",
+            description="Prompt tokens found in the prefix cache (not recomputed).",
+            tag_keys=tags,
+        )
         self.num_finished = metrics.Counter(
             "mtpserve_requests_finished",
             description="Finished requests by finish reason.",
@@ -82,9 +92,14 @@ class EngineMetrics:
             self.mean_tokens_per_round,
             self.num_prompt_tokens,
             self.num_generation_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
             self.num_finished,
         ):
             metric.set_default_tags({"model": model_name})
+        # The engine's prefix-cache counters are cumulative; the Prometheus counters move by
+        # the difference since the last report.
+        self._reported_prefix_cache = (0, 0)
 
     def record_engine_stats(self, stats: dict) -> None:
         """`stats` is `model_server.engine_stats_dict(engine.stats())`."""
@@ -92,3 +107,13 @@ class EngineMetrics:
         self.num_running.set(stats["num_running"])
         self.kv_usage.set(stats["kv_usage"])
         self.mean_tokens_per_round.set(stats["mean_tokens_per_round"])
+        queried = stats.get("prefix_cache_queried_tokens", 0)
+        hit = stats.get("prefix_cache_hit_tokens", 0)
+        last_queried, last_hit = self._reported_prefix_cache
+        if queried < last_queried:  # a restarted engine counts from zero again
+            last_queried, last_hit = 0, 0
+        if queried > last_queried:
+            self.prefix_cache_queries.inc(queried - last_queried)
+        if hit > last_hit:
+            self.prefix_cache_hits.inc(hit - last_hit)
+        self._reported_prefix_cache = (queried, hit)

@@ -69,6 +69,7 @@ def to_chunk(out: RequestOutput) -> GenerateChunk:
         finished=out.finished,
         finish_reason=out.finish_reason if out.finished else None,
         new_logprobs=out.new_logprobs,
+        num_cached_tokens=out.num_cached_tokens,
     )
 
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -74,10 +74,37 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str | None = None  # always set in responses
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, kept in the history
+    tool_call_id: str | None = None  # a tool message's answer to that call
+    reasoning_content: str | None = None  # an assistant's reasoning (thinking mode)
 
     def text(self) -> str:
         """The message's text; content parts of type "text" are concatenated."""
@@ -95,16 +122,63 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # Tools: "auto" (the default with tools) and "none"; the others wait for constrained decoding.
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Keyword arguments of the chat template; {"thinking": true} turns on thinking mode.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered as /v1/chat/completions does."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---------------------------------------------------------------------------------------------
 # Responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelCard(BaseModel):
@@ -170,6 +244,8 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -184,9 +260,25 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionChoice]
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of tool call `index`: id, type and name in its first piece, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -8,16 +8,27 @@ directly. `n` > 1 and batched completion prompts become one engine request per c
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 from cluster.sampling_params import InvalidRequestError, SamplingParams
+from deploy.chat_dsv32 import encode_messages
+from deploy.dsml_parser import DSMLParser, merged_tool_calls
 from deploy.messages import GenerateChunk
 from deploy.openai_protocol import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,
+    ChatDelta,
+    ChatResponseMessage,
     ChatTokenLogprob,
     CompletionLogprobs,
     CompletionRequest,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    PromptTokensDetails,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
@@ -39,12 +50,14 @@ class ChoiceResult:
 
     index: int
     text: str = ""
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     completion_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
 
     def update(self, chunk: GenerateChunk) -> None:
         self.text += chunk.new_text
+        self.num_cached_tokens = chunk.num_cached_tokens
         self.completion_token_ids.extend(chunk.new_token_ids)
         if chunk.new_logprobs:
             self.logprobs.extend(chunk.new_logprobs)
@@ -62,12 +75,151 @@ def completion_prompt_token_ids(request: CompletionRequest, tokenizer) -> list[l
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+def thinking_requested(request) -> bool:
+    """Thinking mode: `chat_template_kwargs` {"thinking": true} (vLLM's and SGLang's key for
+    DeepSeek; "enable_thinking" is accepted too). Off by default."""
+    kwargs = request.chat_template_kwargs or {}
+    return bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+
+
+def prompt_tools(request) -> list[dict[str, Any]] | None:
+    """The tools the prompt shows the model: none when `tool_choice` is "none" (the model is
+    not told about tools it must not call); "required" and named choices are refused until
+    constrained decoding exists."""
+    choice = request.tool_choice
+    if choice is not None and choice not in ("none", "auto"):
+        raise InvalidRequestError(
+            f'tool_choice {choice!r} is not supported: only "auto" and "none" (forcing a call '
+            "needs constrained decoding)",
+            "tool_choice",
+        )
+    if not request.tools or choice == "none":
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in request.tools]
+
+
+def message_dicts(request) -> list[dict[str, Any]]:
+    """The history as plain dicts; tool calls, tool call ids and reasoning are kept."""
+    messages = []
+    for m in request.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        if m.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+        messages.append(message)
+    return messages
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """How one checkpoint's chats are rendered and its answers read.
+
+    A checkpoint's own chat template wins; a DeepSeek-V3.2 checkpoint without one is rendered
+    by the built-in encoder (`deploy.chat_dsv32`). A DeepSeek-V3.2 model's answers are parsed
+    (`deploy.dsml_parser`) for reasoning in thinking mode and for DSML tool calls when the
+    prompt offered tools.
+    """
+
+    builtin_dsv32: bool = False
+    dsv32_output: bool = False
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: str, tokenizer) -> ChatFormat:
+        try:
+            with open(os.path.join(model_dir, "config.json")) as f:
+                model_type = json.load(f).get("model_type")
+        except OSError:
+            model_type = None
+        is_dsv32 = model_type == "deepseek_v32"
+        return cls(
+            builtin_dsv32=is_dsv32 and not getattr(tokenizer, "chat_template", None),
+            dsv32_output=is_dsv32,
+        )
+
+    def prompt_text(self, request, tokenizer) -> str:
+        """`request` has messages, tools, tool_choice, chat_template_kwargs and
+        add_generation_prompt (a chat completion or a /tokenize request). The built-in encoder
+        always ends with the assistant's opener, so add_generation_prompt does not apply."""
+        tools = prompt_tools(request)
+        messages = message_dicts(request)
+        if self.builtin_dsv32:
+            return encode_messages(messages, thinking=thinking_requested(request), tools=tools)
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            **(request.chat_template_kwargs or {}),
+        )
+
+    def answer(self, request) -> ChatAnswer:
+        thinking = self.dsv32_output and thinking_requested(request)
+        tools = prompt_tools(request) if self.dsv32_output else None
+        if not thinking and not tools:
+            return ChatAnswer(None)
+        return ChatAnswer(DSMLParser(thinking, parse_tools=bool(tools), tools=tools))
+
+
+class ChatAnswer:
+    """One choice's answer, read as it streams (or whole): reasoning, content, tool calls."""
+
+    def __init__(self, parser: DSMLParser | None):
+        self._parser = parser
+
+    def _finish_reason(self, reason: str | None) -> str | None:
+        called = self._parser is not None and self._parser.num_tool_calls > 0
+        return "tool_calls" if called and reason == "stop" else reason
+
+    def delta(self, new_text: str, finish_reason: str | None) -> tuple[ChatDelta, str | None]:
+        """The stream delta for `new_text` (all of the rest when `finish_reason` is set)."""
+        if self._parser is None:
+            return ChatDelta(content=new_text or None), finish_reason
+        parsed = self._parser.feed(new_text)
+        if finish_reason is not None:
+            parsed.extend(self._parser.finish())
+        tool_calls = [
+            DeltaToolCall(
+                index=piece.index,
+                id=piece.id,
+                type="function" if piece.id else None,
+                function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments),
+            )
+            for piece in parsed.tool_calls
+        ]
+        delta = ChatDelta(
+            content=parsed.content or None,
+            reasoning_content=parsed.reasoning or None,
+            tool_calls=tool_calls or None,
+        )
+        return delta, self._finish_reason(finish_reason)
+
+    def message(
+        self, text: str, finish_reason: str | None
+    ) -> tuple[ChatResponseMessage, str | None]:
+        """The whole answer as a message; content is null when only tools were called."""
+        if self._parser is None:
+            return ChatResponseMessage(content=text), finish_reason
+        parsed = self._parser.feed(text)
+        parsed.extend(self._parser.finish())
+        calls = [
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in merged_tool_calls(parsed.tool_calls)
+        ]
+        message = ChatResponseMessage(
+            content=parsed.content or (None if calls else ""),
+            reasoning_content=parsed.reasoning or None,
+            tool_calls=calls or None,
+        )
+        return message, self._finish_reason(finish_reason)
+
+
+def chat_prompt_token_ids(
+    request: ChatCompletionRequest, tokenizer, chat_format: ChatFormat | None = None
+) -> list[int]:
+    prompt_text = (chat_format or ChatFormat()).prompt_text(request, tokenizer)
     # Render to text, then encode: the template already places BOS where the model expects it.
-    prompt_text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
-    )
     return tokenizer.encode(prompt_text, add_special_tokens=False)
 
 
@@ -154,16 +306,22 @@ def plan_chat(
 
 
 def usage(results: list[ChoiceResult], plans: list[ChoicePlan]) -> UsageInfo:
-    """Prompt tokens count once per distinct prompt, completion tokens once per choice."""
-    prompt_tokens = {}
-    for plan in plans:
+    """Prompt tokens count once per distinct prompt, completion tokens once per choice. A
+    prompt's cached tokens are the fewest any of its choices took from the prefix cache (its
+    choices run side by side, so later ones may hit what the first computed)."""
+    prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
+    for plan, result in zip(plans, results):
         prompt_tokens[plan.prompt_index] = len(plan.prompt_token_ids)
+        cached = min(result.num_cached_tokens, cached_tokens.get(plan.prompt_index, 1 << 62))
+        cached_tokens[plan.prompt_index] = cached
     completion_tokens = sum(len(r.completion_token_ids) for r in results)
     total_prompt = sum(prompt_tokens.values())
     return UsageInfo(
         prompt_tokens=total_prompt,
         completion_tokens=completion_tokens,
         total_tokens=total_prompt + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_tokens.values())),
     )
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, check_tensor, launch
+from kernels.platform import tl, triton
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, launch
+from kernels.platform import tl, triton
 from kernels.rmsnorm import rms_norm_reference
 from kernels.rope import rope_pair, rope_reference
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, check_tensor, launch
+from kernels.platform import tl, triton
 
 
 def linear_fp32_reference(

@@ -5,12 +5,60 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.deepgemm import DeepGemmBackend
+from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_reference, scale_grid
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
+from kernels.platform import tl, triton
+
+
+def check_fp8_scales(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+) -> bool:
+    """Whether the experts are FP8 (both scales given), with every shape and dtype checked:
+    w13 [E, 2 * I, H] and w2 [E, H, I] float8_e4m3fn, w13_scale [E, 2, ceil(I/128),
+    ceil(H/128)] (one grid for the gate rows, one for the up rows: I need not be a multiple of
+    128) and w2_scale [E, ceil(H/128), ceil(I/128)], float32."""
+    if w13_scale is None and w2_scale is None:
+        return False
+    if w13_scale is None or w2_scale is None:
+        raise ValueError("w13_scale and w2_scale come together (FP8 experts) or not at all")
+    for name, weight in (("w13", w13), ("w2", w2)):
+        if weight.dtype != FP8_DTYPE:
+            raise TypeError(f"{name}: scales given, so expected {FP8_DTYPE}, got {weight.dtype}")
+    for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{name}: expected float32, got {scale.dtype}")
+    num_local_experts, two_i, hidden = w13.shape
+    intermediate = two_i // 2
+    want_13 = (num_local_experts, 2, *scale_grid(intermediate, hidden))
+    want_2 = (num_local_experts, *scale_grid(hidden, intermediate))
+    if tuple(w13_scale.shape) != want_13:
+        raise ValueError(f"w13_scale {tuple(w13_scale.shape)}, expected {want_13}")
+    if tuple(w2_scale.shape) != want_2:
+        raise ValueError(f"w2_scale {tuple(w2_scale.shape)}, expected {want_2}")
+    return True
+
+
+def dequantize_expert_reference(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    expert: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One FP8 expert exactly dequantized (fp32) and rounded to `dtype`: (w13 [2 * I, H],
+    w2 [H, I]). The gate and up halves of w13 each have their own 128x128 scale grid."""
+    intermediate = w13.shape[1] // 2
+    gate = dequantize_fp8_reference(w13[expert, :intermediate], w13_scale[expert, 0])
+    up = dequantize_fp8_reference(w13[expert, intermediate:], w13_scale[expert, 1])
+    down = dequantize_fp8_reference(w2[expert], w2_scale[expert])
+    return torch.cat([gate, up]).to(dtype), down.to(dtype)
 
 
 def grouped_moe_reference(
@@ -20,21 +68,31 @@ def grouped_moe_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int = 0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]) over the experts held here.
 
     x [T, hidden], w13 [E_local, 2 * I, hidden] ([gate | up]), w2 [E_local, hidden, I].
     This rank holds experts first_expert .. first_expert + E_local - 1; routes to others
     contribute nothing (expert parallelism sums the ranks' partial outputs).
+
+    With w13_scale and w2_scale (see `check_fp8_scales`) the weights are FP8: each expert is
+    dequantized exactly and rounded to x's dtype, then the same math as without scales.
     """
+    fp8 = check_fp8_scales(w13, w2, w13_scale, w2_scale)
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     local_ids = topk_ids.long() - first_expert
     for e in local_ids.unique().tolist():
         if e < 0 or e >= w13.shape[0]:
             continue
+        if fp8:
+            w13_e, w2_e = dequantize_expert_reference(w13, w2, w13_scale, w2_scale, e, x.dtype)
+        else:
+            w13_e, w2_e = w13[e], w2[e]
         token, slot = (local_ids == e).nonzero(as_tuple=True)
-        h = silu_and_mul_reference(x[token] @ w13[e].t())
-        y = (h @ w2[e].t()).float() * topk_weights[token, slot, None].float()
+        h = silu_and_mul_reference(x[token] @ w13_e.t())
+        y = (h @ w2_e.t()).float() * topk_weights[token, slot, None].float()
         out.index_add_(0, token, y)
     return out.to(x.dtype)
 
@@ -192,16 +250,28 @@ def grouped_layout_triton(
     return GroupedLayout(sorted_pairs, block_expert, block_m)
 
 
+# FP8 experts (W_FP8): the weight tiles come from HBM as e4m3 and are dequantized in registers,
+# each element times the scale of its 128x128 block, rounded to the activations' dtype (as the
+# twin rounds its dequantized weights), then the same tl.dot as bf16 weights. BLOCK_K divides 128,
+# so a tile's columns share one scale block: the scales are a [BLOCK_N] vector per k step.
+_SCALE_BLOCK = tl.constexpr(FP8_BLOCK)
+
+
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr,
     w13_ptr,
+    w13_scale_ptr,
     h_ptr,
     sorted_pairs_ptr,
     block_expert_ptr,
     x_row_stride,
     w13_expert_stride,
     w13_row_stride,
+    scale_expert_stride,
+    scale_part_stride,
+    scale_row_stride,
+    scale_col_stride,
     h_row_stride,
     hidden,
     intermediate,
@@ -210,6 +280,7 @@ def _moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    W_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -217,6 +288,7 @@ def _moe_gate_up_kernel(
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     col_mask = cols < intermediate
+    dtype = h_ptr.dtype.element_ty  # the activations' dtype
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -226,6 +298,10 @@ def _moe_gate_up_kernel(
         tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
         w_gate = w13_ptr + expert * w13_expert_stride + cols[:, None].to(tl.int64) * w13_row_stride
         w_up = w_gate + intermediate * w13_row_stride
+        # [BLOCK_N] scale rows of the gate grid; the up grid is the next part.
+        scale_rows = (cols // _SCALE_BLOCK) * scale_row_stride  # [BLOCK_N]
+        s_gate = w13_scale_ptr + expert * scale_expert_stride + scale_rows
+        s_up = s_gate + scale_part_stride
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -241,6 +317,12 @@ def _moe_gate_up_kernel(
             bu = tl.load(
                 w_up + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
             )
+            if W_FP8:
+                k_block = (k0 // _SCALE_BLOCK) * scale_col_stride
+                sg = tl.load(s_gate + k_block, mask=col_mask, other=0.0)  # [BLOCK_N] fp32
+                su = tl.load(s_up + k_block, mask=col_mask, other=0.0)
+                bg = (bg.to(tl.float32) * sg[:, None]).to(dtype)
+                bu = (bu.to(tl.float32) * su[:, None]).to(dtype)
             if UPCAST_DOT:
                 a = a.to(tl.float32)
                 acc_gate = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_gate, input_precision="ieee")
@@ -251,7 +333,6 @@ def _moe_gate_up_kernel(
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         # Round where the twin rounds: the GEMM output, silu, the product.
-        dtype = h_ptr.dtype.element_ty
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -266,6 +347,7 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     h_ptr,
     w2_ptr,
+    w2_scale_ptr,
     topk_weights_ptr,
     y_ptr,
     sorted_pairs_ptr,
@@ -273,6 +355,9 @@ def _moe_down_kernel(
     h_row_stride,
     w2_expert_stride,
     w2_row_stride,
+    scale_expert_stride,
+    scale_row_stride,
+    scale_col_stride,
     y_row_stride,
     hidden,
     intermediate,
@@ -280,6 +365,7 @@ def _moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    W_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -287,6 +373,7 @@ def _moe_down_kernel(
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     col_mask = cols < hidden
+    dtype = h_ptr.dtype.element_ty
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -294,6 +381,8 @@ def _moe_down_kernel(
         pairs = tl.load(sorted_pairs_ptr + rows)
         valid = pairs >= 0
         w_rows = w2_ptr + expert * w2_expert_stride + cols[:, None].to(tl.int64) * w2_row_stride
+        scale_rows = (cols // _SCALE_BLOCK) * scale_row_stride  # [BLOCK_N]
+        s_rows = w2_scale_ptr + expert * scale_expert_stride + scale_rows
         h_rows = h_ptr + rows[:, None].to(tl.int64) * h_row_stride
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, intermediate, BLOCK_K):
@@ -302,6 +391,11 @@ def _moe_down_kernel(
             b = tl.load(
                 w_rows + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
             )
+            if W_FP8:
+                scale = tl.load(
+                    s_rows + (k0 // _SCALE_BLOCK) * scale_col_stride, mask=col_mask, other=0.0
+                )
+                b = (b.to(tl.float32) * scale[:, None]).to(dtype)
             if UPCAST_DOT:
                 acc = tl.dot(
                     a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee"
@@ -311,7 +405,7 @@ def _moe_down_kernel(
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         weight = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
-        y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+        y = acc.to(dtype).to(tl.float32) * weight[:, None]
         tl.store(
             y_ptr + pairs[:, None].to(tl.int64) * y_row_stride + cols[None, :],
             y,
@@ -371,13 +465,18 @@ def grouped_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int = 0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
     config: GroupedGemmConfig | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `grouped_moe_reference` (contiguous grouped layout)."""
+    """Triton twin of `grouped_moe_reference` (contiguous grouped layout); FP8 experts when
+    w13_scale and w2_scale are given (dequantized in registers, activations stay in x's dtype)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
-    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=device)
-    check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), device=device)
+    fp8 = w13_scale is not None or w2_scale is not None
+    weight_dtypes = (FP8_DTYPE,) if fp8 else (x.dtype,)
+    check_tensor("w13", w13, ndim=3, dtypes=weight_dtypes, device=device)
+    check_tensor("w2", w2, ndim=3, dtypes=weight_dtypes, device=device)
     check_tensor(
         "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True, device=device
     )
@@ -401,6 +500,17 @@ def grouped_moe_triton(
     num_pairs = num_tokens * top_k
     if config is None:
         config = DECODE_CONFIG if num_pairs <= DECODE_MAX_PAIRS else PREFILL_CONFIG
+    if fp8:
+        check_fp8_scales(w13, w2, w13_scale, w2_scale)
+        check_tensor("w13_scale", w13_scale, last_dim_contiguous=False, device=device)
+        check_tensor("w2_scale", w2_scale, last_dim_contiguous=False, device=device)
+        if FP8_BLOCK % config.block_k:
+            raise ValueError(f"FP8 experts need block_k dividing {FP8_BLOCK}, got {config.block_k}")
+        w13_scale_strides = w13_scale.stride()
+        w2_scale_strides = w2_scale.stride()
+    else:  # the scale pointers are never read (W_FP8 off): any tensor will do
+        w13_scale, w2_scale = w13, w2
+        w13_scale_strides, w2_scale_strides = (0, 0, 0, 0), (0, 0, 0)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=device)  # [T * top_k, hidden]
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
     if num_pairs > 0:
@@ -414,12 +524,14 @@ def grouped_moe_triton(
             x,
             x,
             w13,
+            w13_scale,
             h,
             layout.sorted_pairs,
             layout.block_expert,
             x.stride(0),
             w13.stride(0),
             w13.stride(1),
+            *w13_scale_strides,
             h.stride(0),
             hidden,
             intermediate,
@@ -428,6 +540,7 @@ def grouped_moe_triton(
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             UPCAST_DOT=upcast,
+            W_FP8=fp8,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -437,6 +550,7 @@ def grouped_moe_triton(
             x,
             h,
             w2,
+            w2_scale,
             topk_weights,
             y,
             layout.sorted_pairs,
@@ -444,6 +558,7 @@ def grouped_moe_triton(
             h.stride(0),
             w2.stride(0),
             w2.stride(1),
+            *w2_scale_strides,
             y.stride(0),
             hidden,
             intermediate,
@@ -451,6 +566,7 @@ def grouped_moe_triton(
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             UPCAST_DOT=upcast,
+            W_FP8=fp8,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

@@ -19,6 +19,8 @@ from kernels.cache_write import (
     mla_kv_cache_write_reference,
     mla_kv_cache_write_triton,
 )
+from kernels.fp8 import fp8_linear_reference
+from kernels.fp8_linear import fp8_linear_triton
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton
 from kernels.indexer_fp8 import indexer_fp8_reference
 from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
@@ -47,6 +49,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     impl = linear_fp32_triton if use_triton(x.device) else linear_fp32_reference
     return impl(x, weight, scale)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T for a block-scaled FP8 weight (kernels/fp8.py), dequantized in registers."""
+    impl = fp8_linear_triton if use_triton(x.device) else fp8_linear_reference
+    return impl(x, weight, scale_inv)
 
 
 def add_rms_norm(
@@ -155,14 +163,23 @@ def grouped_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int = 0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Routed experts; FP8 experts (e4m3, 128x128 block scales) when the scales are given."""
+    fp8 = w13_scale is not None or w2_scale is not None
     if not use_triton(x.device):
-        return grouped_moe_reference(x, w13, w2, topk_weights, topk_ids, first_expert)
-    if deepgemm.use_deepgemm(x):
+        return grouped_moe_reference(
+            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale
+        )
+    # FP8 experts skip DeepGEMM: its FP8 grouped GEMMs take FP8 activations with per-token 1x128
+    # scales in its own TMA-aligned (on Blackwell packed UE8M0) layout, and one scale grid over
+    # [gate | up] where we keep one per part; our Triton kernels dequantize in registers instead.
+    if not fp8 and deepgemm.use_deepgemm(x):
         return grouped_moe_deepgemm(
             x, w13, w2, topk_weights, topk_ids, first_expert, deepgemm.backend
         )
-    return grouped_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert)
+    return grouped_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -173,6 +190,7 @@ __all__ = [
     "rms_norm",
     "add_rms_norm",
     "linear_fp32",
+    "fp8_linear",
     "rope",
     "rope_cos_sin",
     "mla_kv_cache_write",

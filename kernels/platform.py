@@ -1,4 +1,5 @@
-"""Where kernels run: the one PDL gate, and whether Triton kernels are used at all.
+"""Where kernels run: the one PDL gate, whether Triton kernels are used at all, and the one
+place Triton is imported.
 
 Environment variables are read here and nowhere else in `kernels/`.
 """
@@ -6,9 +7,60 @@ Environment variables are read here and nowhere else in `kernels/`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+
+class _Unlaunchable:
+    """A kernel defined where Triton is not installed: the ops run its twin instead."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.__name__ = getattr(fn, "__name__", "kernel")
+
+    def __getitem__(self, grid: Any):
+        raise RuntimeError(f"{self.__name__}: Triton is not installed (the ops use the twins)")
+
+
+class _NoTriton:
+    """Stands in for `triton` where it cannot be imported (no macOS or Windows builds), so the
+    kernel modules still import and define their twins. Only what runs at import is here."""
+
+    @staticmethod
+    def jit(fn: Callable | None = None, **options: Any):
+        return _Unlaunchable(fn) if fn is not None else _Unlaunchable
+
+    @staticmethod
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    @staticmethod
+    def next_power_of_2(n: int) -> int:
+        return 1 << max(n - 1, 0).bit_length()
+
+
+class _NoTritonLanguage:
+    """Stands in for `triton.language`: module-level constexprs are their plain values."""
+
+    @staticmethod
+    def constexpr(value: Any = None) -> Any:
+        return value
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton, tl = _NoTriton(), _NoTritonLanguage()
+    HAS_TRITON = False
+    logger.warning("Triton is not installed: every op runs its pure-torch twin")
+else:
+    HAS_TRITON = True
 
 
 def _env_flag(name: str) -> bool:
@@ -63,9 +115,10 @@ def ensure_triton_cache_dir() -> str:
 
 
 def use_triton(device: torch.device) -> bool:
-    """Triton kernels on CUDA devices unless forced off; the twins everywhere else.
+    """Triton kernels on CUDA devices (where Triton is installed) unless forced off; the twins
+    everywhere else.
 
     Under TRITON_INTERPRET=1 on CPU the model still runs the twins: the interpreter is how the
     kernel tests run each kernel against its twin, far too slow to serve a model through.
     """
-    return device.type == "cuda" and not force_reference()
+    return HAS_TRITON and device.type == "cuda" and not force_reference()

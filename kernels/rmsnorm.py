@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, check_tensor, launch
+from kernels.platform import tl, triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,10 +9,9 @@ q and k stay consistent and cached keys compare bit-for-bit with the oracle's.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, check_tensor, launch
+from kernels.platform import tl, triton
 
 
 def rope_cos_sin(

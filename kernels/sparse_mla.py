@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
 from kernels.paged import gather_token_rows, token_chunks
+from kernels.platform import tl, triton
 
 
 def sparse_mla_attention_reference(

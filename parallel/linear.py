@@ -4,6 +4,11 @@ Column-parallel layers split output features across TP ranks; row-parallel layer
 features and all-reduce their output. Each parameter carries `weight_loader(param, full_tensor,
 shard_id=None)`, which takes the checkpoint's full tensor and keeps this rank's part, so the
 checkpoint loader never knows about sharding.
+
+A layer whose checkpoint weight is DeepSeek's block-scaled FP8 keeps it FP8 (`use_fp8()`): the
+weight stays float8_e4m3fn and a float32 `weight_scale_inv` holds this rank's 128x128 blocks'
+scales; the matmul dequantizes in registers (kernels.ops.fp8_linear). A TP split must fall on
+block boundaries: one that would cut a block is an error naming the sizes.
 """
 
 from __future__ import annotations
@@ -12,8 +17,59 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import ops
+from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
 from parallel.collectives import tp_all_reduce
 from parallel.state import get_parallel_state
+
+
+class _Fp8Capable(nn.Module):
+    """What every linear here shares: an optional FP8 weight and the matmul that reads it."""
+
+    # False where the model reads the weight itself rather than multiplying by it (MLA's
+    # kv_b_proj is absorbed into q and the output): such a weight is dequantized on load.
+    quantizable = True
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == FP8_DTYPE
+
+    def use_fp8(self) -> bool:
+        """Store the weight as FP8 with block scales; False (stay in the model's dtype) where
+        this layer's weight cannot be FP8. Raises ValueError where a TP split cuts a block."""
+        if not self.quantizable or not self._fp8_blocks_align():
+            return False
+        rows, cols = self.weight.shape
+        self.weight = nn.Parameter(
+            torch.empty(rows, cols, dtype=FP8_DTYPE, device=self.weight.device),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(scale_grid(rows, cols), dtype=torch.float32, device=self.weight.device),
+            requires_grad=False,
+        )
+        self.weight_scale_inv.weight_loader = self.scale_loader
+        return True
+
+    def _fp8_blocks_align(self) -> bool:
+        return True
+
+    def scale_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy_checked(param, loaded.float(), "weight_scale_inv")
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_fp8:
+            return ops.fp8_linear(x, self.weight, self.weight_scale_inv)
+        return F.linear(x, self.weight)
+
+
+def _check_block_split(size: int, tp_size: int, what: str) -> None:
+    if tp_size > 1 and (size // tp_size) % FP8_BLOCK:
+        raise ValueError(
+            f"{what}={size} split over tp_size={tp_size} gives {size // tp_size} per rank, which "
+            f"cuts the checkpoint's {FP8_BLOCK}x{FP8_BLOCK} FP8 scale blocks unevenly"
+        )
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -31,7 +87,7 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> 
     param.data.copy_(loaded)
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(_Fp8Capable):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
@@ -41,10 +97,12 @@ class ReplicatedLinear(nn.Module):
         _copy_checked(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_fp8:
+            return self._matmul(x)
         return F.linear(x.to(self.weight.dtype), self.weight)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Fp8Capable):
     """y = x W^T with W's rows (output features) split across TP ranks; no communication."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
@@ -61,8 +119,16 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"expected {self.out_features} rows, got {tuple(loaded.shape)}")
         _copy_checked(param, loaded.narrow(0, self.tp_rank * self.out_per_rank, self.out_per_rank))
 
+    def _fp8_blocks_align(self) -> bool:
+        _check_block_split(self.out_features, self.tp_size, "out_features")
+        return True
+
+    def scale_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        blocks = param.shape[0]
+        _copy_checked(param, loaded.float().narrow(0, self.tp_rank * blocks, blocks))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self._matmul(x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -87,8 +153,26 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             loaded.narrow(0, self.tp_rank * per_rank, per_rank),
         )
 
+    def _fp8_blocks_align(self) -> bool:
+        """Each part's rows must fill whole blocks so the parts' scale grids stack; at TP=1
+        a misaligned part (a tiny model's) keeps the layer in the model's dtype instead."""
+        if self.tp_size == 1:
+            return all(size % FP8_BLOCK == 0 for size in self.out_sizes[:-1])
+        for size in self.out_sizes:
+            _check_block_split(size, self.tp_size, "out_features")
+        return True
 
-class RowParallelLinear(nn.Module):
+    def scale_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        per_rank = self.out_sizes[shard_id] // self.tp_size
+        blocks = -(-per_rank // FP8_BLOCK)
+        offset = sum(self.out_sizes[:shard_id]) // self.tp_size // FP8_BLOCK
+        _copy_checked(
+            param.data.narrow(0, offset, blocks),
+            loaded.float().narrow(0, self.tp_rank * blocks, blocks),
+        )
+
+
+class RowParallelLinear(_Fp8Capable):
     """y = x W^T with W's columns (input features) split; partial sums all-reduced over TP."""
 
     def __init__(
@@ -112,6 +196,14 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"expected {self.in_features} columns, got {tuple(loaded.shape)}")
         _copy_checked(param, loaded.narrow(1, self.tp_rank * self.in_per_rank, self.in_per_rank))
 
+    def _fp8_blocks_align(self) -> bool:
+        _check_block_split(self.in_features, self.tp_size, "in_features")
+        return True
+
+    def scale_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        blocks = param.shape[1]
+        _copy_checked(param, loaded.float().narrow(1, self.tp_rank * blocks, blocks))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._matmul(x)
         return tp_all_reduce(y) if self.reduce_results else y

@@ -17,11 +17,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, flat cache slot to write each token's keys (-1: skip)
     seq_idx: torch.Tensor  # [T] int64, row of block_tables that holds the token's sequence
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
-    # Top-k rows to use instead of running the indexer ([T, K] int32 positions, -1 padded). Set
-    # for MTP draft steps 1..k-1 when top-k sharing is on; then the indexer does no work at all.
-    shared_topk: torch.Tensor | None = None
-    # Filled by the indexer of the (single) layer that runs it, so a caller can keep a row.
-    computed_topk: torch.Tensor | None = None
     rope_cache: dict = field(default_factory=dict)
 
     @property

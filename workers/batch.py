@@ -43,6 +43,9 @@ class StepInput:
     num_draft_tokens: int = 0  # k: drafts the MTP layer proposes for the next round
     share_topk: bool = False  # draft steps 1..k-1 reuse draft step 0's top-k row
     finished_request_ids: list[str] = field(default_factory=list)  # drop per-request state
+    # Preempted this step: a pending MTP hidden state of theirs belongs to a computation that
+    # was thrown away (and, after a prefix-cache hit, its pair's row lies in a shared block).
+    preempted_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -100,13 +100,12 @@ class DecodeGraphs:
 
 
 class ProposeGraphs:
-    """CUDA graphs of a whole MTP proposal after a verify step: draft step 0 over up to k + 1
-    pairs per request, then steps 1..k-1 (workers.mtp_proposer.draft_chain), keyed by (batch
+    """CUDA graphs of a whole MTP proposal after a verify step: draft step 0 over k + 1 pair
+    rows per request, then steps 1..k-1 (workers.mtp_proposer.draft_chain), keyed by (batch
     bucket, k, top-k sharing). Rows of pairs a request does not have write no cache slot."""
 
-    def __init__(self, model, topk_share, decode_graphs: DecodeGraphs):
+    def __init__(self, model, decode_graphs: DecodeGraphs):
         self.model = model
-        self.topk_share = topk_share
         self.decode = decode_graphs
         self.device = decode_graphs.device
         self.graphs: dict[
@@ -126,27 +125,18 @@ class ProposeGraphs:
             block_tables=torch.zeros(
                 batch, self.decode.max_blocks_per_seq, dtype=torch.int32, device=d
             ),
-            last_idx=torch.arange(batch, device=d) * (k + 1),
+            last_rows=torch.arange(batch, device=d) * (k + 1),
             valid=torch.zeros(batch, dtype=torch.bool, device=d),
         )
 
     def _forward(self, buf: dict, k: int, share: bool) -> torch.Tensor:
-        from workers.mtp_proposer import draft_chain
+        from workers.mtp_proposer import DraftInputs, draft_chain
 
         meta = AttentionMetadata(
             buf["positions"], buf["slot_mapping"], buf["seq_idx"], buf["block_tables"]
         )
-        return draft_chain(
-            self.model,
-            self.topk_share,
-            buf["tokens"],
-            buf["hidden"],
-            meta,
-            buf["last_idx"],
-            buf["valid"],
-            k,
-            share,
-        )
+        inputs = DraftInputs(buf["tokens"], buf["hidden"], meta, buf["last_rows"], buf["valid"])
+        return draft_chain(self.model, inputs, k, share)
 
     def _capture(self, batch: int, k: int, share: bool) -> None:
         buf = self._buffers(batch, k)
@@ -155,11 +145,7 @@ class ProposeGraphs:
 
     def run(
         self,
-        tokens: list[int],  # [R * (k + 1)] host lists, padded per request to k + 1 rows
-        hidden_rows: list[int],  # rows of `hidden` to take for each pair row
-        positions: list[int],
-        slots: list[int],  # -1 where a request has fewer pairs
-        last_idx: list[int],  # [R]
+        pairs,  # workers.mtp_proposer.DraftPairs, padded to k + 1 rows per request
         hidden: torch.Tensor,  # the verify step's target hidden states
         block_tables: torch.Tensor,  # [R, width]
         k: int,
@@ -173,7 +159,10 @@ class ProposeGraphs:
             self._capture(batch, k, share)
         graph, buf, out = self.graphs[key]
         n = num_seqs * (k + 1)
-        host = torch.tensor([tokens, hidden_rows, positions, slots], dtype=torch.long)
+        assert len(pairs.tokens) == n and not pairs.pending_hidden
+        host = torch.tensor(
+            [pairs.tokens, pairs.hidden_rows, pairs.positions, pairs.slots], dtype=torch.long
+        )
         host = host.to(self.device, non_blocking=True)
         buf["tokens"][:n].copy_(host[0])
         buf["hidden"][:n].copy_(hidden.index_select(0, host[1]))
@@ -182,7 +171,7 @@ class ProposeGraphs:
         buf["slot_mapping"][n:].fill_(-1)
         buf["block_tables"].zero_()
         buf["block_tables"][:num_seqs, : block_tables.shape[1]].copy_(block_tables)
-        buf["last_idx"][:num_seqs].copy_(torch.tensor(last_idx, device=self.device))
+        buf["last_rows"][:num_seqs].copy_(torch.tensor(pairs.last_rows, device=self.device))
         buf["valid"].zero_()
         buf["valid"][:num_seqs] = True
         graph.replay()

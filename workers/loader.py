@@ -2,9 +2,10 @@
 
 DeepSeek's tensor names map onto our modules almost 1:1; the exceptions are the fused gate/up
 projections, the per-expert tensors (packed into [E, ...] parameters), and the MTP layer
-(model.layers.{num_hidden_layers}.* -> mtp.*). FP8 tensors with a `weight_scale_inv` in 128x128
-blocks are dequantized on load. Every missing, unexpected or mis-shaped tensor is an error that
-names it.
+(model.layers.{num_hidden_layers}.* -> mtp.*). Which weights are FP8 follows the checkpoint: a
+tensor with a `weight_scale_inv` beside it (128x128 blocks). Those of layers that multiply by
+them stay FP8 in memory with their scales (parallel.linear); the rest are dequantized on load.
+Every missing, unexpected or mis-shaped tensor is an error that names it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from collections.abc import Iterator
 
 import torch
 
+from kernels.fp8 import dequantize_fp8_reference
+
 logger = logging.getLogger(__name__)
 
-FP8_BLOCK = 128
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -69,14 +72,13 @@ def has_mtp_layer(names, num_hidden_layers: int) -> bool:
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """weight (float8) * scale_inv broadcast over 128x128 blocks -> fp32."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows]
-    scale = scale.repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    return weight.float() * scale
+    return dequantize_fp8_reference(weight, scale_inv)
 
 
-def iter_tensors(names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every weight, FP8 ones dequantized, scale tensors consumed."""
+def iter_tensors(
+    names: dict[str, str],
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(name, tensor, its FP8 scale_inv or None) for every weight; scale tensors are consumed."""
     from safetensors import safe_open
 
     by_file: dict[str, list[str]] = {}
@@ -90,13 +92,49 @@ def iter_tensors(names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
                 if name.endswith("_scale_inv"):
                     continue
                 t = f.get_tensor(name)
-                if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                scale = None
+                if t.dtype in FP8_TYPES:
                     scale_name = name + "_scale_inv"
                     if scale_name not in names:
                         raise CheckpointError(f"{name} is FP8 but {scale_name} is missing")
                     with safe_open(names[scale_name], "pt") as g:
-                        t = dequantize_fp8(t, g.get_tensor(scale_name))
-                yield name, t
+                        scale = g.get_tensor(scale_name)
+                yield name, t, scale
+
+
+def keep_fp8_weights(model: torch.nn.Module, names: dict[str, str]) -> list[str]:
+    """Turn every layer whose checkpoint weight is FP8 (has a `weight_scale_inv`) into an FP8
+    layer where it can be one; returns their parameter names. Raises CheckpointError where a TP
+    split would cut the checkpoint's scale blocks."""
+    n = model.config.num_hidden_layers
+    fp8_params: dict[str, int] = {}
+    for name in names:
+        if name.endswith(".weight") and name + "_scale_inv" in names:
+            pname, _ = param_for(name, n)
+            fp8_params[pname] = fp8_params.get(pname, 0) + 1
+    kept = []
+    for module_name, module in model.named_modules():
+        if not hasattr(module, "use_fp8"):
+            continue
+        if hasattr(module, "w13"):  # routed experts: every expert's three weights FP8
+            pname = f"{module_name}.w13"
+            experts = module.num_experts
+            if (
+                fp8_params.get(pname) != 2 * experts
+                or fp8_params.get(f"{module_name}.w2") != experts
+            ):
+                continue
+        else:
+            pname = f"{module_name}.weight"
+            parts = len(getattr(module, "out_sizes", [None]))
+            if fp8_params.get(pname) != parts:  # absent, or a merged layer partly FP8
+                continue
+        try:
+            if module.use_fp8():
+                kept.append(pname)
+        except ValueError as e:
+            raise CheckpointError(f"{_ckpt_name(pname, n)!r}: {e}") from None
+    return kept
 
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -129,7 +167,7 @@ def load_weights(model: torch.nn.Module, model_dir: str, names: dict[str, str] |
     if model.mtp is None:
         names = {k: v for k, v in names.items() if not k.startswith(f"model.layers.{n}.")}
     filled: dict[str, set] = {}
-    for ckpt_name, tensor in iter_tensors(names):
+    for ckpt_name, tensor, scale in iter_tensors(names):
         if _IGNORED.match(ckpt_name):
             continue
         if model.mtp is None and ckpt_name.startswith(f"model.layers.{n}."):
@@ -142,6 +180,12 @@ def load_weights(model: torch.nn.Module, model_dir: str, names: dict[str, str] |
             raise CheckpointError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
         param = params[pname]
         loader = getattr(param, "weight_loader", None)
+        scale_name = pname.removesuffix(".weight") + (
+            ".weight_scale_inv" if pname.endswith(".weight") else "_scale_inv"
+        )
+        scale_param = params.get(scale_name) if scale is not None else None
+        if scale is not None and (param.dtype not in FP8_TYPES or scale_param is None):
+            tensor = dequantize_fp8(tensor, scale)
         try:
             with torch.no_grad():
                 if loader is not None:
@@ -150,6 +194,9 @@ def load_weights(model: torch.nn.Module, model_dir: str, names: dict[str, str] |
                     raise ValueError(f"expected {tuple(param.shape)}, got {tuple(tensor.shape)}")
                 else:
                     param.data.copy_(tensor)
+                if scale_param is not None:
+                    scale_param.weight_loader(scale_param, scale, shard)
+                    filled.setdefault(scale_name, set()).add(shard)
         except ValueError as e:
             raise CheckpointError(f"tensor {ckpt_name!r}: {e}") from None
         filled.setdefault(pname, set()).add(shard)
@@ -220,6 +267,7 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     enable_mtp: bool = True,
+    keep_fp8: bool = True,
 ):
     """Build DeepseekV32ForCausalLM (this rank's shard) and load it. Returns (model, config)."""
     from workers.model import DeepseekV32ForCausalLM
@@ -234,5 +282,9 @@ def load_model(
             config.num_hidden_layers,
         )
     model = DeepseekV32ForCausalLM(config, dtype=dtype, with_mtp=with_mtp)
+    if keep_fp8:
+        kept = keep_fp8_weights(model, names)
+        if kept:
+            logger.info("%d FP8 weights kept in FP8 with their block scales", len(kept))
     load_weights(model, model_dir, names)
     return model.to(device).eval(), config

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
 from parallel.collectives import tp_all_reduce, tp_compute_on_one_rank
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import (
@@ -85,6 +86,11 @@ class Rotary(nn.Module):
 
         rope = config.rope_parameters or {"rope_type": "default"}
         rope_type = rope.get("rope_type", "default")
+        with torch.device("cpu"):  # also when the model is built on the meta device (a plan)
+            inv_freq = self._inv_freq(config, rope, rope_type, ROPE_INIT_FUNCTIONS)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def _inv_freq(self, config, rope: dict, rope_type: str, init_functions) -> torch.Tensor:
         if rope_type == "default":
             dim = config.qk_rope_head_dim
             inv_freq = 1.0 / (
@@ -92,8 +98,8 @@ class Rotary(nn.Module):
             )
             self.attention_scaling = 1.0
         else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+            inv_freq, self.attention_scaling = init_functions[rope_type](config, "cpu")
+        return inv_freq
 
     def cos_sin(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # One computation per forward, shared by every layer (and the MTP layer's own pass).
@@ -118,6 +124,7 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, INDEXER_NORM_EPS, dtype)
         # fp32, as DeepSeek and transformers keep it: the head weights decide near-ties.
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads, torch.float32)
+        self.weights_proj.quantizable = False  # read by ops.linear_fp32, in fp32
         # None: every TP rank runs the indexer on its own cache. r: only TP rank r runs it and
         # broadcasts its top-k, so all ranks attend to one token set; the others skip the work
         # (and never write their indexer-key cache: the choice holds for a worker's lifetime).
@@ -198,6 +205,9 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype
         )
+        # Absorbed into q and the output (its weight is read, not multiplied): an FP8
+        # checkpoint's kv_b_proj is dequantized on load, as DeepSeek's inference does.
+        self.kv_b_proj.quantizable = False
         self.o_proj = RowParallelLinear(heads * self.v_dim, config.hidden_size, dtype)
         self.indexer = Indexer(config, dtype)
         self.softmax_scale = yarn_softmax_scale(config)
@@ -209,7 +219,10 @@ class MLAAttention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
         index_cache: torch.Tensor,  # [num_blocks, block_size, index_head_dim]
-    ) -> torch.Tensor:
+        topk: torch.Tensor | None = None,  # [T, K] positions to attend to; None: the indexer's
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (output [T, hidden], the top-k positions attended to [T, K]). Given `topk`, the
+        indexer does no work at all (MTP draft steps that share step 0's selection)."""
         cos, sin = cos_sin
         num_tokens = x.shape[0]
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
@@ -225,11 +238,8 @@ class MLAAttention(nn.Module):
             kv_cache,
             meta.slot_mapping,
         )
-        if meta.shared_topk is not None:
-            topk = meta.shared_topk
-        else:
+        if topk is None:
             topk = self.indexer(x, q_latent, cos_sin, meta, index_cache)
-            meta.computed_topk = topk
         # W_UK / W_UV out of kv_b_proj: [heads, nope + v, kv_lora_rank]
         w_kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
@@ -244,7 +254,7 @@ class MLAAttention(nn.Module):
             self.kv_lora_rank,
         )  # [T, H, kv_lora_rank]
         out = torch.einsum("thl,hvl->thv", out_latent, w_uv).reshape(num_tokens, -1)
-        return self.o_proj(out)
+        return self.o_proj(out), topk
 
 
 class MLP(nn.Module):
@@ -295,6 +305,50 @@ class Experts(nn.Module):
         self.w13.weight_loader = self.load_w13
         self.w2.weight_loader = self.load_w2
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13.dtype == FP8_DTYPE
+
+    def use_fp8(self) -> bool:
+        """Keep the experts' weights FP8 with their 128x128 block scales (gate and up each in
+        its own grid: I need not fill whole blocks). Raises ValueError where expert TP would cut
+        a block."""
+        if self.inter_full != self.inter_local and self.inter_local % FP8_BLOCK:
+            ways = self.inter_full // self.inter_local
+            raise ValueError(
+                f"moe_intermediate_size={self.inter_full} split {ways} ways gives "
+                f"{self.inter_local} rows, which cuts the checkpoint's "
+                f"{FP8_BLOCK}x{FP8_BLOCK} FP8 scale blocks unevenly"
+            )
+        e, i, h = self.num_local, self.inter_local, self.w13.shape[2]
+        blocks_i, blocks_h = scale_grid(i, h)
+        device = self.w13.device
+
+        def frozen(*shape, dtype):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), False)
+
+        self.w13 = frozen(e, 2 * i, h, dtype=FP8_DTYPE)
+        self.w2 = frozen(e, h, i, dtype=FP8_DTYPE)
+        self.w13_scale_inv = frozen(e, 2, blocks_i, blocks_h, dtype=torch.float32)
+        self.w2_scale_inv = frozen(e, blocks_h, blocks_i, dtype=torch.float32)
+        self.w13.weight_loader = self.load_w13
+        self.w2.weight_loader = self.load_w2
+        self.w13_scale_inv.weight_loader = self.load_w13_scale
+        self.w2_scale_inv.weight_loader = self.load_w2_scale
+        return True
+
+    def load_w13_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
+        expert, part = shard_id
+        if (e := self._local(expert)) is not None:
+            blocks = param.shape[2]
+            rows = loaded.float().narrow(0, self.inter_offset // FP8_BLOCK, blocks)
+            param.data[e, part].copy_(rows)
+
+    def load_w2_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
+        if (e := self._local(shard_id)) is not None:
+            blocks = param.shape[2]
+            param.data[e].copy_(loaded.float().narrow(1, self.inter_offset // FP8_BLOCK, blocks))
+
     def _local(self, expert: int) -> int | None:
         e = expert - self.first_expert
         return e if 0 <= e < self.num_local else None
@@ -341,8 +395,16 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
+        experts = self.experts
         routed = ops.grouped_moe(
-            x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first_expert
+            x,
+            experts.w13,
+            experts.w2,
+            weights,
+            ids,
+            experts.first_expert,
+            getattr(experts, "w13_scale_inv", None),
+            getattr(experts, "w2_scale_inv", None),
         )
         # One all-reduce sums the shared expert's row-parallel partials and every rank's experts.
         return tp_all_reduce(routed + self.shared_experts(x))
@@ -368,14 +430,15 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(
-        self, h, residual, cos_sin, meta, kv_cache, index_cache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, h, residual, cos_sin, meta, kv_cache, index_cache, topk=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The residual stream is `residual + h` (residual None: `h`); returns the MLP output
-        and the stream before it, so each residual add is fused into the next norm."""
+        and the stream before it, so each residual add is fused into the next norm, and the
+        top-k positions its attention used."""
         x, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn(x, cos_sin, meta, kv_cache, index_cache)
+        h, topk = self.self_attn(x, cos_sin, meta, kv_cache, index_cache, topk)
         x, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(x), residual
+        return self.mlp(x), residual, topk
 
 
 class SharedHead(nn.Module):
@@ -402,11 +465,11 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = ReplicatedLinear(2 * hidden, hidden, dtype)
         self.shared_head = SharedHead(config, dtype)
 
-    def forward(self, input_ids, prev_hidden, cos_sin, meta, kv_cache, index_cache):
+    def forward(self, input_ids, prev_hidden, cos_sin, meta, kv_cache, index_cache, topk=None):
         e = self.enorm(self.embed_tokens(input_ids))
         h = self.eh_proj(torch.cat([e, self.hnorm(prev_hidden)], dim=-1))
-        h, residual = super().forward(h, None, cos_sin, meta, kv_cache, index_cache)
-        return self.shared_head.norm.add_forward(h, residual)[0]
+        h, residual, topk = super().forward(h, None, cos_sin, meta, kv_cache, index_cache, topk)
+        return self.shared_head.norm.add_forward(h, residual)[0], topk
 
 
 class DeepseekV32ForCausalLM(nn.Module):
@@ -461,16 +524,22 @@ class DeepseekV32ForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(meta)
         h, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, cos_sin, meta, self.kv_caches[i], self.index_caches[i])
+            h, residual, _ = layer(
+                h, residual, cos_sin, meta, self.kv_caches[i], self.index_caches[i]
+            )
         return self.model.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return ParallelLMHead.forward(self.head, hidden).float()
 
     def mtp_forward(
-        self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """One MTP step: token i+1 and hidden state i -> MTP hidden after shared_head.norm."""
+        self,
+        input_ids: torch.Tensor,  # [T] token i+1
+        prev_hidden: torch.Tensor,  # [T, hidden] hidden state i
+        meta: AttentionMetadata,
+        topk: torch.Tensor | None = None,  # [T, K] to skip the MTP indexer; None: run it
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP step -> (MTP hidden after shared_head.norm [T, hidden], top-k used [T, K])."""
         n = self.config.num_hidden_layers
         return self.mtp(
             input_ids,
@@ -479,6 +548,7 @@ class DeepseekV32ForCausalLM(nn.Module):
             meta,
             self.kv_caches[n],
             self.index_caches[n],
+            topk,
         )
 
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:

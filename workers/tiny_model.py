@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 
@@ -46,6 +47,64 @@ TINY_CONFIG = dict(
     pad_token_id=2,
     tie_word_embeddings=False,
 )
+
+
+def random_config(seed: int) -> dict:
+    """A small valid DeepSeek-V3.2 config drawn from `seed`: overrides of TINY_CONFIG.
+
+    Varies what one fixture cannot: head counts (1, odd, even), LoRA ranks, nope/rope/v dims,
+    index_topk below and above typical prompt lengths, indexer heads and dims (few heads make
+    exact score ties common), dense-layer count, expert count / groups / top-k, norm_topk_prob,
+    the scaling factor, YaRN or default RoPE. Every draw satisfies the constraints that
+    `workers.model_config.check_model_config` enforces (at TP=1).
+    """
+    rng = random.Random(seed)
+    rope_dim = rng.choice([4, 8, 16])
+    num_groups = rng.choice([1, 2, 3, 4])
+    per_group = rng.choice([2, 3, 4])  # a group's score sums its top 2: at least 2 experts
+    topk_group = rng.randint(1, num_groups)
+    layers = rng.randint(1, 3)
+    heads = rng.choice([1, 2, 3, 4, 5])
+    cfg = dict(
+        hidden_size=rng.choice([32, 48, 64]),
+        intermediate_size=rng.choice([48, 64, 96]),
+        moe_intermediate_size=rng.choice([16, 24, 32]),
+        num_hidden_layers=layers,
+        first_k_dense_replace=rng.randint(0, layers - 1),  # the last layer is MoE (MTP copies it)
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=rng.choice([16, 24, 40]),
+        kv_lora_rank=rng.choice([16, 24, 32]),
+        qk_nope_head_dim=rng.choice([8, 16, 24]),
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=rng.choice([8, 12, 16]),
+        n_shared_experts=rng.choice([1, 2]),
+        n_routed_experts=num_groups * per_group,
+        n_group=num_groups,
+        topk_group=topk_group,
+        num_experts_per_tok=rng.randint(1, min(4, topk_group * per_group)),
+        norm_topk_prob=rng.random() < 0.5,
+        routed_scaling_factor=rng.choice([1.0, 1.5, 2.5]),
+        index_topk=rng.choice([4, 8, 12, 20, 32]),
+        index_n_heads=rng.choice([1, 2, 3, 4, 8]),
+        index_head_dim=rope_dim + rng.choice([0, 8, 16]),  # the indexer ropes its first dims
+    )
+    if rng.random() < 0.4:
+        factor = rng.choice([2.0, 4.0])
+        cfg["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": factor,
+            "original_max_position_embeddings": int(
+                TINY_CONFIG["max_position_embeddings"] / factor
+            ),
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
+    return cfg
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -106,8 +165,15 @@ def _init_(t: torch.Tensor, gen: torch.Generator, name: str) -> None:
         t.copy_(torch.randn(t.shape, generator=gen) * fan_in**-0.5)
 
 
-def make_tiny_model(out_dir: str, seed: int = 0, **overrides) -> str:
-    """Write a complete tiny checkpoint to out_dir; the same seed gives the same bytes."""
+def make_tiny_model(out_dir: str, seed: int = 0, mtp_echo: float | None = None, **overrides) -> str:
+    """Write a complete tiny checkpoint to out_dir; the same seed gives the same bytes.
+
+    The MTP layer is random, so its drafts are almost never accepted. `mtp_echo` (a noise scale)
+    instead makes it pass the target's normed hidden state through (eh_proj = [noise | I +
+    noise], the layer's output projections scaled by the noise): its draft is then close to the
+    target's own next token, which a random model's greedy output often repeats, so verification
+    accepts drafts as well as rejects them.
+    """
     from safetensors.torch import save_file
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
@@ -135,6 +201,13 @@ def make_tiny_model(out_dir: str, seed: int = 0, **overrides) -> str:
     mtp[f"model.layers.{n}.shared_head.norm.weight"] = torch.empty(hidden)
     for name in sorted(mtp):
         _init_(mtp[name], gen, name)
+    if mtp_echo is not None:
+        eh = mtp[f"model.layers.{n}.eh_proj.weight"]
+        eh.mul_(mtp_echo)
+        eh[:, hidden:] += torch.eye(hidden)
+        for name, t in mtp.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t.mul_(mtp_echo)
     save_file(mtp, os.path.join(out_dir, "model-mtp.safetensors"), metadata={"format": "pt"})
     _write_index(out_dir)
     train_tokenizer(cfg["vocab_size"], out_dir)

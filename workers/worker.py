@@ -182,7 +182,8 @@ class Worker:
         (CPU, `enforce_eager`) have nothing to capture. Every rank calls this at once with the
         same arguments: a capture runs the forward, whose collectives need every rank."""
         started = time.perf_counter()
-        graphs, propose = self.runner.graphs, self.runner.propose_graphs
+        graphs = self.runner.graphs
+        propose = self.runner.proposer.graphs if self.runner.proposer is not None else None
         keys = warm_up_keys(
             graphs.buckets if graphs is not None else [],
             num_draft_tokens if self.has_mtp else 0,

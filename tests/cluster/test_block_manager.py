@@ -1,11 +1,14 @@
-"""Block pool arithmetic, and a randomized end-to-end drive of Scheduler + BlockManager."""
+"""Block pool arithmetic, and a randomized end-to-end drive of Scheduler + BlockManager, with
+prefix caching on and off, shared prefixes, preemption, eviction and aborts: no block leaks, and
+a simulated cache (what each slot of each cache holds) shows no row is ever read corrupted and no
+write lands in a shared or published block."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from cluster.block_manager import NULL_BLOCK_ID, BlockManager, cdiv
@@ -92,12 +95,9 @@ VOCAB = 30
 
 def _check_invariants(sched: Scheduler, after_update: bool) -> None:
     bm = sched.block_manager
-    owners: dict[int, str] = {}
+    bm.check_invariants(sched.running)  # reference counts, free/evictable/in use, keys
     for request in sched.running:
-        for block_id in request.block_ids:
-            assert block_id != NULL_BLOCK_ID
-            assert block_id not in owners, f"block {block_id} owned twice"
-            owners[block_id] = request.request_id
+        assert NULL_BLOCK_ID not in request.block_ids
         assert request.num_computed_tokens <= request.num_tokens
         num_needed = cdiv(request.num_computed_tokens, bm.block_size_tokens)
         if after_update:
@@ -110,7 +110,6 @@ def _check_invariants(sched: Scheduler, after_update: bool) -> None:
     for request in sched.waiting:
         assert request.block_ids == [] and request.num_computed_tokens == 0
         assert request.draft_token_ids == []
-    assert len(owners) + bm.num_free_blocks == bm.num_usable_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
 
 
@@ -132,6 +131,85 @@ def _random_result(rng: random.Random, scheduled) -> SeqResult:
     )
 
 
+class SimulatedCaches:
+    """What each slot of the target caches and the MTP layer's cache holds, written as the
+    workers write them (`workers/mtp_proposer.py` for the MTP rows): a target row at position p
+    holds the token sequence up to p; an MTP row at p holds it up to p + 1 (the pair
+    (h_p, t_{p+1})); lookahead rows of draft steps 1..k-1 hold junk until overwritten.
+
+    `step()` first checks every row a scheduled request will read (positions before its start)
+    holds its own sequence, then applies the step's writes, asserting none lands in a block that
+    another request shares or that the cache published.
+    """
+
+    JUNK = ("draft",)
+
+    def __init__(self, bm: BlockManager, num_draft_tokens: int):
+        self.bm, self.num_draft_tokens = bm, num_draft_tokens
+        self.mtp = num_draft_tokens > 0
+        self.target: dict[int, tuple] = {}
+        self.mtp_rows: dict[int, tuple] = {}
+        self.pending: dict[str, int] = {}  # request id -> position of its pending hidden state
+        self.num_rows_checked_in_hits = 0
+
+    def _write(self, rows: dict[int, tuple], request: Request, position: int, value) -> None:
+        block_id = request.block_ids[position // self.bm.block_size_tokens]
+        assert not self.bm.is_shared_or_cached(block_id), (
+            f"{request.request_id} writes position {position} into shared block {block_id}"
+        )
+        rows[self.bm.slot(request, position)] = value
+
+    def step(self, output, results: dict[str, SeqResult]) -> None:
+        for rid in output.preempted_ids:  # the runner forgets their pending hidden states
+            self.pending.pop(rid, None)
+        for s in output.scheduled:
+            self._check_reads(s)
+        for s in output.scheduled:
+            self._apply_writes(s, results[s.request_id])
+
+    def _check_reads(self, s) -> None:
+        r, start = s.request, s.start_position
+        tokens = r.all_token_ids
+        in_hit = start > 0 and start == r.num_cached_tokens and r.num_preemptions == 0
+        for p in range(start):
+            assert self.target.get(self.bm.slot(r, p)) == tuple(tokens[: p + 1]), (
+                f"{r.request_id}: target row {p} corrupted"
+            )
+            self.num_rows_checked_in_hits += in_hit
+        if not self.mtp:
+            return
+        held = self.pending.get(r.request_id)
+        for p in range(start):
+            if p == start - 1 and held == p:
+                continue  # the pending pair writes it this step
+            assert self.mtp_rows.get(self.bm.slot(r, p)) == tuple(tokens[: p + 2]), (
+                f"{r.request_id}: MTP row {p} corrupted (start {start})"
+            )
+
+    def _apply_writes(self, s, result: SeqResult) -> None:
+        r, start = s.request, s.start_position
+        known = r.all_token_ids[:start] + s.token_ids  # drafts included: what the target reads
+        for j in range(len(s.token_ids)):
+            self._write(self.target, r, start + j, tuple(known[: start + j + 1]))
+        if not self.mtp:
+            return
+        accepted_len = len(s.token_ids) - s.num_draft_tokens
+        known_next = s.token_ids[1:accepted_len] + result.sampled_token_ids
+        sequence = r.all_token_ids[:start] + s.token_ids[:1] + known_next
+        held = self.pending.pop(r.request_id, None)
+        if held is not None and held == start - 1:
+            self._write(self.mtp_rows, r, held, tuple(sequence[: held + 2]))
+        num_pairs = min(len(known_next), accepted_len + result.num_accepted_drafts)
+        for j in range(num_pairs):
+            self._write(self.mtp_rows, r, start + j, tuple(sequence[: start + j + 2]))
+        if s.samples:
+            last = start + num_pairs - 1
+            for j in range(1, self.num_draft_tokens):  # draft steps 1..k-1
+                self._write(self.mtp_rows, r, last + j, self.JUNK)
+        else:
+            self.pending[r.request_id] = start + len(s.token_ids) - 1
+
+
 @settings(
     max_examples=10,
     deadline=None,
@@ -146,6 +224,32 @@ def _random_result(rng: random.Random, scheduled) -> SeqResult:
     num_draft_tokens=st.integers(0, 3),
     enable_chunked_prefill=st.booleans(),
     slack_blocks=st.integers(0, 6),
+    enable_prefix_caching=st.booleans(),
+)
+# Prefix caching with MTP (the next token in the key matters: without it these fail) and without.
+@example(
+    seed=1,
+    block_size_tokens=4,
+    num_draft_tokens=2,
+    enable_chunked_prefill=True,
+    slack_blocks=2,
+    enable_prefix_caching=True,
+)
+@example(
+    seed=2,
+    block_size_tokens=1,
+    num_draft_tokens=1,
+    enable_chunked_prefill=False,
+    slack_blocks=0,
+    enable_prefix_caching=True,
+)
+@example(
+    seed=3,
+    block_size_tokens=2,
+    num_draft_tokens=0,
+    enable_chunked_prefill=True,
+    slack_blocks=1,
+    enable_prefix_caching=True,
 )
 def test_random_drive_keeps_invariants(
     seed: int,
@@ -153,6 +257,7 @@ def test_random_drive_keeps_invariants(
     num_draft_tokens: int,
     enable_chunked_prefill: bool,
     slack_blocks: int,
+    enable_prefix_caching: bool,
 ) -> None:
     rng = random.Random(seed)
     max_model_len = 48
@@ -169,8 +274,16 @@ def test_random_drive_keeps_invariants(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
     )
-    sched = Scheduler(config, tokenizer=_CharTokenizer())
-    bm = sched.block_manager
+    bm = BlockManager(
+        num_blocks,
+        block_size_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        key_includes_next_token=num_draft_tokens > 0,
+    )
+    sched = Scheduler(config, bm, tokenizer=_CharTokenizer())
+    caches = SimulatedCaches(bm, num_draft_tokens)
+    system_prompts = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(3)]
+    finished_sequences: list[list[int]] = []
     num_free_at_start = bm.num_free_blocks
     num_requests, num_added, step = 1000, 0, 0
     all_requests: list[Request] = []
@@ -186,9 +299,15 @@ def test_random_drive_keeps_invariants(
                 ignore_eos=rng.random() < 0.1,
             )
             prompt_len = rng.choice([1, 2, 5, 13, rng.randint(1, max_model_len), max_model_len])
+            prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
+            shape = rng.random()
+            if shape < 0.3:  # a shared system prompt, then a tail of its own
+                prompt = (rng.choice(system_prompts) + prompt)[:max_model_len]
+            elif shape < 0.5 and finished_sequences:  # the next turn of a conversation
+                prompt = (rng.choice(finished_sequences) + prompt[:5])[:max_model_len]
             request = Request(
                 f"r{num_added}",
-                [rng.randrange(VOCAB) for _ in range(prompt_len)],
+                prompt,
                 params,
                 eos_token_ids={EOS_TOKEN_ID},
                 arrival_time=float(num_added),
@@ -215,6 +334,8 @@ def test_random_drive_keeps_invariants(
             assert s.samples == (s.start_position + num_real == r.num_tokens)
             assert s.num_draft_tokens <= num_draft_tokens
         _check_invariants(sched, after_update=False)
+        results = {s.request_id: _random_result(rng, s) for s in output.scheduled}
+        caches.step(output, results)
 
         # Random aborts, some between schedule and update.
         for r in list(sched.running) + list(sched.waiting):
@@ -222,14 +343,20 @@ def test_random_drive_keeps_invariants(
                 assert sched.abort(r.request_id) is r
                 assert r.status is RequestStatus.FINISHED_ABORTED and r.block_ids == []
 
-        results = {s.request_id: _random_result(rng, s) for s in output.scheduled}
         changed = sched.update(output, results)
         for r in changed:
             if r.is_finished:
                 assert r.block_ids == []
+                finished_sequences.append(r.all_token_ids)
         _check_invariants(sched, after_update=True)
 
     assert bm.num_free_blocks == num_free_at_start
+    bm.check_invariants([])
+    if enable_prefix_caching and block_size_tokens <= 4:
+        assert bm.stats.num_hit_tokens > 0
+        assert caches.num_rows_checked_in_hits > 0
+    if not enable_prefix_caching:
+        assert bm.stats.num_hit_tokens == 0 and bm.num_cached_blocks == 0
     assert all(r.is_finished for r in all_requests)
     assert num_preemptions > 0 or slack_blocks > 3  # the tight pools must exercise preemption
     for r in all_requests:

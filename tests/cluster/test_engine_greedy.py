@@ -10,7 +10,7 @@ import torch
 
 from cluster.llm import LLM
 from cluster.sampling_params import SamplingParams
-from workers.model_runner import ModelRunner
+from workers.mtp_proposer import MtpProposer
 
 MAX_TOKENS = 20
 PROMPT_LENS = [3, 41, 12, 27, 5, 33, 18, 9, 50, 2, 24, 15, 38, 7, 21, 30, 11, 44]  # 18 requests
@@ -94,13 +94,12 @@ class OracleDrafts:
         self.proposed = 0
 
     def install(self, monkeypatch):
-        real = ModelRunner._propose
+        real = MtpProposer.propose
         oracle = self
 
-        def propose(runner, step, seqs, states, *rest):
-            real(runner, step, seqs, states, *rest)  # the real MTP work
-            results = rest[-1]
-            for s, res in zip(seqs, results):
+        def propose(proposer, step, batch, hidden, results):
+            real(proposer, step, batch, hidden, results)  # the real MTP work
+            for s, res in zip(batch.seqs, results):
                 if not s.samples:
                     continue
                 length = (
@@ -116,7 +115,7 @@ class OracleDrafts:
                 ]
                 oracle.proposed += 1
 
-        monkeypatch.setattr(ModelRunner, "_propose", propose)
+        monkeypatch.setattr(MtpProposer, "propose", propose)
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -53,6 +53,7 @@ def _job(address: str, env: dict, *args: str, check: bool = True) -> subprocess.
     )
 
 
+@pytest.mark.no_triton
 def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path, offline_llm):
     from cluster.sampling_params import SamplingParams
 

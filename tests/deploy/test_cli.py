@@ -23,6 +23,7 @@ def test_make_tiny_model_is_deterministic(tmp_path):
     assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.no_triton
 def test_generate_json_with_mtp_equals_greedy_without(tiny_model_dir, offline_llm):
     from cluster.sampling_params import SamplingParams
 

@@ -35,6 +35,7 @@ def _wait_for_url(server: subprocess.Popen, log_path: Path, timeout_s: float) ->
     raise AssertionError("no URL printed:\n" + log_path.read_text(errors="replace")[-4000:])
 
 
+@pytest.mark.no_triton
 def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
     tiny_model_dir, tmp_path, offline_llm
 ):

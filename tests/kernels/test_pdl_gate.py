@@ -29,6 +29,8 @@ from kernels.cache_write import (
     mla_kv_cache_write_reference,
     mla_kv_cache_write_triton,
 )
+from kernels.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_fp8_reference
+from kernels.fp8_linear import fp8_linear_triton
 from kernels.indexer import (
     indexer_topk_reference,
     indexer_topk_triton,
@@ -70,7 +72,11 @@ ALL_KERNELS = {
     "_moe_down_kernel",
     "_moe_sum_kernel",
     "_linear_fp32_kernel",
+    "_fp8_linear_kernel",
+    "_sum_splits_kernel",
 }
+# Kernels that also launch with FP8 weights (W_FP8=True), under the same gate.
+FP8_WEIGHT_KERNELS = {"_moe_gate_up_kernel", "_moe_down_kernel"}
 
 
 def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
@@ -105,6 +111,12 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             linear_fp32_triton,
             linear_fp32_reference,
             (torch.randn(3, 70), torch.randn(9, 70), 0.5),
+        ),
+        (
+            "fp8_linear",
+            fp8_linear_triton,
+            fp8_linear_reference,
+            (torch.randn(3, 200), *quantize_fp8_reference(torch.randn(150, 200))),
         ),
         ("rope", rope_triton, rope_reference, (torch.randn(3, 2, 6), cos, sin, True, 4)),
         (
@@ -177,6 +189,20 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
                 torch.randn(4, 6, 5),
                 torch.rand(3, 2),
                 ids,
+            ),
+        ),
+        (
+            "grouped_moe_fp8",
+            lambda *a: grouped_moe_triton(*a[:5], w13_scale=a[5], w2_scale=a[6]),
+            lambda *a: grouped_moe_reference(*a[:5], w13_scale=a[5], w2_scale=a[6]),
+            (
+                torch.randn(3, 6, dtype=f32),
+                torch.randn(4, 10, 6).to(FP8_DTYPE),
+                torch.randn(4, 6, 5).to(FP8_DTYPE),
+                torch.rand(3, 2),
+                ids,
+                torch.rand(4, 2, 1, 1) + 0.5,
+                torch.rand(4, 1, 1) + 0.5,
             ),
         ),
     ]
@@ -262,6 +288,7 @@ def test_no_pdl_launch_where_the_gate_is_off(fake_platform, launches, make_platf
                 got, want = got.sort(-1).values, want.sort(-1).values
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=name)
     assert {name for name, _ in launches} == ALL_KERNELS
+    assert {name for name, kwargs in launches if kwargs.get("W_FP8")} == FP8_WEIGHT_KERNELS
     for name, kwargs in launches:
         assert "launch_pdl" not in kwargs, name
         assert kwargs["USE_PDL"] is False, name
@@ -281,5 +308,6 @@ def test_pdl_launch_where_the_gate_is_on(fake_platform, monkeypatch) -> None:
     for _, triton_op, _, args in _cases():
         triton_op(*args)
     assert {name for name, _ in recorded} == ALL_KERNELS
+    assert {name for name, kwargs in recorded if kwargs.get("W_FP8")} == FP8_WEIGHT_KERNELS
     for name, kwargs in recorded:
         assert kwargs.get("launch_pdl") is True and kwargs["USE_PDL"] is True, name

@@ -64,6 +64,7 @@ def test_tp_greedy_matches_tp1(
         llm.engine.shutdown()
 
 
+@pytest.mark.no_triton
 def test_auto_executor_picks_ray_for_tp2(ray_local, tiny_model_dir, prompts, tp1_tokens):
     from cluster.llm import LLM
     from cluster.ray_executor import RayExecutor
@@ -79,5 +80,38 @@ def test_auto_executor_picks_ray_for_tp2(ray_local, tiny_model_dir, prompts, tp1
         assert isinstance(llm.engine.executor, RayExecutor)
         outs = llm.generate(prompts[:2], greedy_params())
         assert [o.token_ids for o in outs] == tp1_tokens[:2]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "seed, ep",
+    [
+        pytest.param(16, 2, id="family16-tp2-ep2"),  # 2 heads, 12 experts in 4 groups, YaRN
+        pytest.param(4, 1, id="family4-tp2"),  # 4 heads, no dense layer, index_topk 4
+    ],
+)
+def test_tp_greedy_on_the_config_family(ray_local, tmp_path_factory, prompts, seed, ep):
+    """Configs unlike the fixture at TP=2 with MTP (k = 2, top-k sharing): TP=1's greedy."""
+    from cluster.llm import LLM
+    from workers.tiny_model import make_tiny_model, random_config
+
+    ray_local.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    model_dir = make_tiny_model(
+        str(tmp_path_factory.mktemp(f"family-{seed}")), seed, mtp_echo=0.1, **random_config(seed)
+    )
+    want = [o.token_ids for o in LLM(model_dir, dtype="float32").generate(prompts, greedy_params())]
+    llm = LLM(
+        model_dir,
+        tp_size=2,
+        ep_size=ep,
+        num_draft_tokens=2,
+        share_topk=True,
+        dtype="float32",
+        actor_num_cpus=0.5,
+        step_timeout_s=STEP_TIMEOUT_S,
+    )
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, greedy_params())] == want
     finally:
         llm.engine.shutdown()

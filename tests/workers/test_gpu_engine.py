@@ -105,3 +105,23 @@ def test_gpu_graphed_proposals_match_eager_on_the_trained_model():
     assert stats[True][0] == stats[False][0]
     assert abs(stats[True][1] - stats[False][1]) < 0.05
     assert stats[False][1] > 1.5
+
+
+def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path):
+    """An FP8 checkpoint served with its weights FP8 in HBM (the FP8 linear kernel at the tiny
+    model's odd shapes, inside CUDA graphs): fp32 greedy equals the CPU twins' greedy, and bf16
+    greedy with MTP k = 3 equals bf16 greedy without it."""
+    from tests.workers.test_loader import _quantize_checkpoint, _rewrite
+
+    fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), _quantize_checkpoint)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    cpu = [
+        o.token_ids for o in LLM(fp8_dir, device="cpu", dtype="float32").generate(prompts, params)
+    ]
+    gpu, llm = _tokens(fp8_dir, prompts, dtype="float32")
+    q_a = llm.engine.executor.worker.model.model.layers[1].self_attn.q_a_proj
+    assert q_a.weight.dtype == torch.float8_e4m3fn and q_a.weight.is_cuda
+    assert gpu == cpu
+    plain, _ = _tokens(fp8_dir, prompts, dtype="bfloat16")
+    mtp, _ = _tokens(fp8_dir, prompts, dtype="bfloat16", num_draft_tokens=3)
+    assert mtp == plain

@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels.fp8 import FP8_BLOCK
 from tests.workers.test_model_parity import ATOL, run_mixed_batch_parity
-from workers.loader import FP8_BLOCK, CheckpointError, dequantize_fp8, load_model
+from workers.loader import CheckpointError, dequantize_fp8, keep_fp8_weights, load_model
 from workers.tiny_model import _write_index
 
 
@@ -47,17 +48,24 @@ def _is_quantized_linear(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith(".weight") and not any(s in name for s in skip)
 
 
-def test_fp8_checkpoint_dequantizes_exactly(tiny_model_dir, tmp_path):
-    def quantize(tensors):
-        out = {}
-        for k, t in tensors.items():
-            if _is_quantized_linear(k, t):
-                out[k], out[k + "_scale_inv"] = _quantize_fp8(t.float())
-            else:
-                out[k] = t
-        return out
+def _quantize_checkpoint(tensors):
+    out = {}
+    for k, t in tensors.items():
+        if _is_quantized_linear(k, t):
+            out[k], out[k + "_scale_inv"] = _quantize_fp8(t.float())
+        else:
+            out[k] = t
+    return out
 
-    fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), quantize)
+
+@pytest.fixture(scope="module")
+def fp8_dir(tiny_model_dir, tmp_path_factory):
+    return _rewrite(
+        tiny_model_dir, str(tmp_path_factory.mktemp("fp8") / "ckpt"), _quantize_checkpoint
+    )
+
+
+def test_fp8_checkpoint_dequantizes_exactly(tiny_model_dir, fp8_dir, tmp_path):
 
     # The oracle is transformers on the dequantized weights: our loader must reproduce exactly
     # those numbers (then the model parity bound applies unchanged).
@@ -69,7 +77,7 @@ def test_fp8_checkpoint_dequantizes_exactly(tiny_model_dir, tmp_path):
         }
 
     deq_dir = _rewrite(fp8_dir, str(tmp_path / "deq"), dequantize)
-    fp8_model, _ = load_model(fp8_dir, dtype=torch.float32)
+    fp8_model, _ = load_model(fp8_dir, dtype=torch.float32, keep_fp8=False)
     deq_model, _ = load_model(deq_dir, dtype=torch.float32)
     for (name, a), (_, b) in zip(fp8_model.named_parameters(), deq_model.named_parameters()):
         assert torch.equal(a, b), name
@@ -81,6 +89,52 @@ def test_fp8_checkpoint_dequantizes_exactly(tiny_model_dir, tmp_path):
     for name, p in fp8_model.named_parameters():
         err = (p - orig[name]).abs()
         assert (err <= orig[name].abs() / 16 + 1e-3).all(), name
+
+
+@torch.no_grad()
+def test_fp8_weights_stay_fp8_and_compute_the_dequantized_model(fp8_dir):
+    """The layers whose checkpoint weight is FP8 keep it FP8 with its block scales (half the
+    bytes of bf16); their matmuls dequantize exactly, so in fp32 the model computes what the
+    load-time-dequantized model does."""
+    from tests.workers.paged_harness import PagedHarness
+
+    kept, config = load_model(fp8_dir, dtype=torch.float32)
+    dequantized, _ = load_model(fp8_dir, dtype=torch.float32, keep_fp8=False)
+    fp8 = {n for n, p in kept.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    layer = "model.layers.1"
+    assert f"{layer}.self_attn.q_a_proj.weight" in fp8  # replicated
+    assert f"{layer}.self_attn.q_b_proj.weight" in fp8  # column-parallel
+    assert f"{layer}.self_attn.o_proj.weight" in fp8  # row-parallel
+    assert "model.layers.0.mlp.gate_up_proj.weight" in fp8  # merged, parts of 128 rows
+    assert {f"{layer}.mlp.experts.w13", f"{layer}.mlp.experts.w2"} <= fp8  # routed experts
+    # Read by the model rather than multiplied, or parts that do not fill whole blocks:
+    # dequantized on load.
+    assert f"{layer}.self_attn.kv_b_proj.weight" not in fp8
+    assert f"{layer}.mlp.shared_experts.gate_up_proj.weight" not in fp8  # 32-row parts
+    assert all(
+        n.replace(".weight", ".weight_scale_inv") in dict(kept.named_parameters()) for n in fp8
+    )
+    tokens = torch.randint(3, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    logits = [
+        model.compute_logits(model(tokens, PagedHarness(model, 1, 64).metadata({0: 40})))
+        for model in (kept, dequantized)
+    ]
+    assert (logits[0] - logits[1]).abs().max() < 1e-4
+
+
+def test_a_tp_split_that_cuts_fp8_blocks_is_an_error(fp8_dir):
+    from parallel.state import ParallelState, get_parallel_state, set_parallel_state
+    from workers.loader import checkpoint_files, load_config
+    from workers.model import DeepseekV32ForCausalLM
+
+    previous = get_parallel_state()
+    set_parallel_state(ParallelState(tp_rank=0, tp_size=2))
+    try:
+        model = DeepseekV32ForCausalLM(load_config(fp8_dir), torch.float32)
+        with pytest.raises(CheckpointError, match="cuts the checkpoint's 128x128 FP8 scale"):
+            keep_fp8_weights(model, checkpoint_files(fp8_dir))
+    finally:
+        set_parallel_state(previous)
 
 
 def test_mtp_layer_borrows_embedding_and_head_when_absent(tiny_model_dir):

@@ -89,7 +89,7 @@ def test_mtp_layer_matches_independent_reference(tiny_model_dir):
     for lo, hi in ((0, 20), (20, 36)):
         meta = mtp.metadata({0: hi - lo})
         logits.append(
-            model.mtp_logits(model.mtp_forward(tokens[lo + 1 : hi + 1], hidden[lo:hi], meta))
+            model.mtp_logits(model.mtp_forward(tokens[lo + 1 : hi + 1], hidden[lo:hi], meta)[0])
         )
     got = torch.cat(logits)
     assert 36 > config.index_topk

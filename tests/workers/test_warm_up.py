@@ -51,9 +51,10 @@ def test_cpu_worker_has_nothing_to_capture(worker):
 
 def test_worker_captures_every_key_once(worker):
     log: list = []
-    graphs, propose = worker.runner.graphs, worker.runner.propose_graphs
+    proposer = worker.runner.proposer
+    graphs, propose = worker.runner.graphs, proposer.graphs
     worker.runner.graphs = _Graphs([1, 2, 4], log)
-    worker.runner.propose_graphs = _Graphs([1, 2, 4], log)
+    proposer.graphs = _Graphs([1, 2, 4], log)
     try:
         worker.runner.graphs.graphs[(2, 3)] = object()  # already captured: kept
         result = worker.warm_up(2, False)
@@ -63,7 +64,7 @@ def test_worker_captures_every_key_once(worker):
         worker.warm_up(2, False)
         assert log == []  # a second warm-up captures nothing again
     finally:
-        worker.runner.graphs, worker.runner.propose_graphs = graphs, propose
+        worker.runner.graphs, proposer.graphs = graphs, propose
 
 
 def test_engine_is_warm_before_it_exists(tiny_model_dir, monkeypatch):

@@ -95,7 +95,7 @@ def load_training_model(model_dir: str):
     """A checkpoint directory -> DeepseekV32ForTraining in fp32 (the inverse of export)."""
     from types import SimpleNamespace
 
-    from workers.loader import checkpoint_files, iter_tensors
+    from workers.loader import checkpoint_files, dequantize_fp8, iter_tensors
     from workers.training.model import DeepseekV32ForTraining
 
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -104,7 +104,9 @@ def load_training_model(model_dir: str):
     n = cfg.num_hidden_layers
     ours = {}
     experts: dict[str, dict] = {}
-    for name, t in iter_tensors(checkpoint_files(model_dir)):
+    for name, t, scale in iter_tensors(checkpoint_files(model_dir)):
+        if scale is not None:
+            t = dequantize_fp8(t, scale)
         if name.startswith(f"model.layers.{n}."):
             name = "mtp." + name[len(f"model.layers.{n}.") :]
         if ".mlp.experts." in name:

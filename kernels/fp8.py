@@ -1,0 +1,77 @@
+"""DeepSeek's block-scaled FP8, the twins: weights in float8_e4m3fn with one float32
+`weight_scale_inv` per 128x128 block (edge blocks partial), and activations quantized per token
+in 1x128 groups for FP8 GEMMs (scale = amax / 448), as DeepSeek's reference inference does.
+
+These are the specs the FP8 kernels are tested against: the weight twin is exact dequantization
+(weight x its block's scale) followed by the matmul; the activation twin also rounds the
+activations to FP8 first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_BLOCK = 128  # rows and columns of a weight's scale block, and the activations' group size
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
+def scale_grid(rows: int, cols: int) -> tuple[int, int]:
+    """Shape of the scale tensor of a [rows, cols] FP8 weight."""
+    return -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+
+
+def dequantize_fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """weight [..., R, C] (FP8) * its block's scale [..., ceil(R/128), ceil(C/128)] -> fp32."""
+    rows, cols = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, -2)[..., :rows, :]
+    scale = scale.repeat_interleave(FP8_BLOCK, -1)[..., :cols]
+    return weight.float() * scale
+
+
+def quantize_fp8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise quantization as DeepSeek ships its checkpoints: per 128x128 block,
+    scale = amax / 448 (1 for an all-zero block) -> (FP8 weight, float32 scale_inv)."""
+    rows, cols = weight.shape
+    grid_r, grid_c = scale_grid(rows, cols)
+    padded = weight.new_zeros(grid_r * FP8_BLOCK, grid_c * FP8_BLOCK, dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(grid_r, FP8_BLOCK, grid_c, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))  # [grid_r, grid_c]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, per 1x128 group of columns: scale = amax / 448 -> (x in FP8, scales
+    [T, ceil(C/128)] float32). DeepSeek's `act_quant`."""
+    tokens, cols = x.shape
+    groups = -(-cols // FP8_BLOCK)
+    padded = x.new_zeros(tokens, groups * FP8_BLOCK, dtype=torch.float32)
+    padded[:, :cols] = x.float()
+    grouped = padded.view(tokens, groups, FP8_BLOCK)
+    amax = grouped.abs().amax(dim=-1)  # [T, groups]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (grouped / scale[..., None]).view_as(padded)[:, :cols].to(FP8_DTYPE)
+    return q, scale
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
+) -> torch.Tensor:
+    """The weight twin: y = x @ dequant(weight)^T, the weights rounded to x's dtype as a
+    bf16 GEMM sees them (exact in fp32). x [T, C], weight [R, C] FP8 -> [T, R] in x's dtype."""
+    w = dequantize_fp8_reference(weight, scale_inv).to(x.dtype)
+    return x @ w.t()
+
+
+def fp8_linear_act_quant_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
+) -> torch.Tensor:
+    """The activation twin (DeepSeek's FP8 GEMM): activations quantized per 1x128 group too,
+    products accumulated in fp32 -> [T, R] in x's dtype."""
+    q, x_scale = quantize_activations_reference(x)
+    cols = x.shape[1]
+    x_deq = q.float() * x_scale.repeat_interleave(FP8_BLOCK, -1)[:, :cols]
+    return (x_deq @ dequantize_fp8_reference(weight, scale_inv).t()).to(x.dtype)

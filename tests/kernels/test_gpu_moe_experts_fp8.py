@@ -1,0 +1,138 @@
+"""GPU: FP8 routed experts at DeepSeek-V3.2's real shapes against the twin, and PDL on vs off
+inside CUDA graphs over 1,000 replays. Run on the H200 with `pytest -m gpu tests/kernels`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.fp8 import FP8_DTYPE, scale_grid
+from kernels.moe_experts import grouped_moe_reference, grouped_moe_triton
+from kernels.moe_routing import moe_route_triton
+from kernels.platform import pdl_enabled
+from tests.kernels.conftest import assert_close
+from tests.kernels.test_gpu_real_shapes import _graph_replays
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# DeepSeek-V3.2
+HIDDEN, NUM_EXPERTS, TOP_K, NUM_GROUPS, TOPK_GROUPS, MOE_INTER = 7168, 256, 8, 8, 4, 2048
+BF16 = torch.bfloat16
+CUDA = torch.device("cuda")
+
+# (E_local, I, first_expert): one GPU with every expert; EP=8's rank 2; TP=8's shard of I.
+LAYOUTS = {
+    "ep1": (NUM_EXPERTS, MOE_INTER, 0),
+    "ep8-rank2": (NUM_EXPERTS // 8, MOE_INTER, 64),
+    "tp8": (NUM_EXPERTS, MOE_INTER // 8, 0),
+}
+
+
+def _fp8_experts(num_local: int, intermediate: int, seed: int = 0):
+    """Random FP8 experts as a checkpoint holds them, built an expert at a time (no fp32 copy of
+    all of them): values spread over e4m3's range, scales making weights of ~0.02 that vary per
+    128x128 block. The ep1 layout is 11.3 GB."""
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    w13 = torch.empty(num_local, 2 * intermediate, HIDDEN, dtype=FP8_DTYPE, device=CUDA)
+    w2 = torch.empty(num_local, HIDDEN, intermediate, dtype=FP8_DTYPE, device=CUDA)
+    for e in range(num_local):
+        w13[e] = (torch.randn(w13.shape[1:], generator=gen, device=CUDA) * 64).to(FP8_DTYPE)
+        w2[e] = (torch.randn(w2.shape[1:], generator=gen, device=CUDA) * 64).to(FP8_DTYPE)
+    grid_13 = scale_grid(intermediate, HIDDEN)
+    w13_scale = (torch.rand(num_local, 2, *grid_13, generator=gen, device=CUDA) + 0.5) * 0.02 / 64
+    w13_scale[:, 1] *= 4  # the up grid differs from the gate grid
+    grid_2 = scale_grid(HIDDEN, intermediate)
+    w2_scale = (torch.rand(num_local, *grid_2, generator=gen, device=CUDA) + 0.5) * 0.02 / 64
+    return w13, w2, w13_scale, w2_scale
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def fp8_experts(request):
+    num_local, intermediate, first_expert = LAYOUTS[request.param]
+    return (*_fp8_experts(num_local, intermediate), first_expert)
+
+
+def _choice_bias(first_expert: int, num_local: int) -> torch.Tensor:
+    """Where this rank holds only some experts, two of them get a choice bias above any score,
+    so every token routes to the rank (never an all-zero output) and to other ranks too."""
+    bias = torch.zeros(NUM_EXPERTS, device=CUDA)
+    if num_local < NUM_EXPERTS:
+        bias[first_expert : first_expert + 2] = 1.0
+    return bias
+
+
+def _routes(
+    num_tokens: int, first_expert: int, num_local: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    return moe_route_triton(
+        torch.randn(num_tokens, NUM_EXPERTS, device=CUDA),
+        _choice_bias(first_expert, num_local),
+        NUM_GROUPS,
+        TOPK_GROUPS,
+        TOP_K,
+        True,
+        2.5,
+    )
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 128, 2048])
+def test_fp8_grouped_moe_real_shapes(fp8_experts, num_tokens: int) -> None:
+    """Decode (<= 256 pairs) and prefill configs, bf16 activations, against the FP8 twin."""
+    w13, w2, w13_scale, w2_scale, first_expert = fp8_experts
+    x = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=CUDA)
+    weights, ids = _routes(num_tokens, first_expert, w13.shape[0], seed=num_tokens)
+    held = (ids >= first_expert) & (ids < first_expert + w13.shape[0])
+    assert held.any(1).all() and not (w13.shape[0] < NUM_EXPERTS and held.all())
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+    expected = grouped_moe_reference(x, w13, w2, weights, ids, first_expert, **scales)
+    actual = grouped_moe_triton(x, w13, w2, weights, ids, first_expert, **scales)
+    assert_close(actual, expected)
+    assert_close(ops.grouped_moe(x, w13, w2, weights, ids, first_expert, **scales), expected)
+
+
+def test_fp8_grouped_moe_fp32_activations() -> None:
+    """fp32 activations (UPCAST_DOT, ieee): exact dequantization then an fp32 GEMM."""
+    w13, w2, w13_scale, w2_scale = _fp8_experts(NUM_EXPERTS // 8, MOE_INTER // 8)
+    x = torch.randn(8, HIDDEN, device=CUDA)
+    weights, ids = _routes(8, 0, NUM_EXPERTS // 8)
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+    expected = grouped_moe_reference(x, w13, w2, weights, ids, 0, **scales)
+    assert_close(grouped_moe_triton(x, w13, w2, weights, ids, 0, **scales), expected)
+
+
+def _fp8_moe_chain(experts, num_tokens: int):
+    """Routing then the FP8 experts, as a decode (8 tokens) or prefill (128) step runs them."""
+    w13, w2, w13_scale, w2_scale, first_expert = experts
+    torch.manual_seed(0)
+    x = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=CUDA)
+    router = torch.randn(num_tokens, NUM_EXPERTS, device=CUDA)
+    bias = _choice_bias(first_expert, w13.shape[0])
+
+    def step() -> tuple[torch.Tensor, ...]:
+        weights, ids = ops.moe_route(router, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5)
+        moe = ops.grouped_moe(
+            x, w13, w2, weights, ids, first_expert, w13_scale=w13_scale, w2_scale=w2_scale
+        )
+        return weights, ids, moe
+
+    return step
+
+
+@pytest.mark.parametrize("num_tokens", [8, 128])
+def test_fp8_pdl_on_and_off_identical_over_graph_replays(
+    fp8_experts, monkeypatch, num_tokens: int
+) -> None:
+    assert pdl_enabled(CUDA), "this test is meant for Hopper or newer"
+    monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
+    with_pdl, mismatches_on = _graph_replays(_fp8_moe_chain(fp8_experts, num_tokens), 1000)
+    monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
+    assert not pdl_enabled(CUDA)
+    without_pdl, mismatches_off = _graph_replays(_fp8_moe_chain(fp8_experts, num_tokens), 1000)
+    assert mismatches_on == 0 and mismatches_off == 0
+    for on, off in zip(with_pdl, without_pdl):
+        assert torch.equal(on, off)

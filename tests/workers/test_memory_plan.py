@@ -1,0 +1,102 @@
+"""`mtpserve plan`: per-rank weights from the model's real shards (FP8 where the checkpoint is),
+the KV bytes per token the engine allocates, and DeepSeek-V3.2's own config at TP=8/EP=8."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import torch
+from transformers import DeepseekV32Config
+
+from tests.deploy.conftest import MTPSERVE
+from tests.workers.test_loader import _quantize_checkpoint, _rewrite
+from workers.kv_cache import allocate_kv_caches
+from workers.loader import load_model
+from workers.memory_plan import plan_memory
+
+# DeepSeek-V3.2's published config.json, with its FP8 quantization_config.
+DEEPSEEK_V32 = dict(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    max_position_embeddings=163840,
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=64,
+    num_nextn_predict_layers=1,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+)
+FP8_QUANT = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
+def test_plan_counts_what_the_loaded_model_holds(tiny_model_dir, tmp_path):
+    fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), _quantize_checkpoint)
+    for model_dir in (tiny_model_dir, fp8_dir):
+        plan = plan_memory(model_dir, dtype=torch.float32)
+        model, config = load_model(model_dir, dtype=torch.float32)
+        params = {id(p): p for p in model.parameters()}.values()
+        assert plan.weight_bytes_per_rank == sum(p.numel() * p.element_size() for p in params)
+        caches = allocate_kv_caches(config, 3, 64, torch.float32, "cpu", with_mtp=True)
+        allocated = sum(c.numel() * c.element_size() for group in caches for c in group)
+        assert plan.kv_bytes_per_token * 3 * 64 == allocated
+    assert plan.weight_bytes_by_dtype["float8_e4m3fn"] > 0
+
+
+def test_deepseek_v32_at_tp8_ep8_from_config_alone(tmp_path):
+    config = DeepseekV32Config(**DEEPSEEK_V32).to_dict()
+    config["quantization_config"] = FP8_QUANT
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [MTPSERVE, "plan", "--model", str(tmp_path), "--tp", "8", "--ep", "8", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert 86e9 <= plan["weight_bytes_per_rank"] <= 90e9
+    fp8 = plan["weight_bytes_by_dtype"]["float8_e4m3fn"]
+    assert fp8 > 0.9 * sum(plan["weight_bytes_by_dtype"].values())
+    # 61 layers + MTP, each a 576-wide latent row and a 128-wide indexer key, bf16.
+    assert plan["kv_bytes_per_token"] == 62 * (512 + 64 + 128) * 2
+    assert plan["fits"] and plan["max_cached_tokens"] > 163840
+    for key in (
+        "weight_bytes_per_rank",
+        "weight_bytes_by_dtype",
+        "kv_bytes_per_token",
+        "max_cached_tokens",
+        "fits",
+    ):
+        assert key in plan

@@ -1,0 +1,87 @@
+"""What a DeepSeek-V3.2 config must satisfy to be built, and split over TP/EP ranks.
+
+Checked when the engine is configured, before any weights load: a config that breaks one of
+these would otherwise fail inside the first step (a reshape of a head count that does not split)
+or pick experts from groups that do not hold them. Each error names the fields and the numbers.
+"""
+
+from __future__ import annotations
+
+
+class ModelConfigError(ValueError):
+    pass
+
+
+def _split(errors: list[str], what: str, value: int, size: int, parallel: str) -> None:
+    if value % size:
+        errors.append(f"{what}={value} does not split over {parallel}={size}")
+
+
+def check_model_config(config, tp_size: int = 1, ep_size: int = 1) -> None:
+    """Raise ModelConfigError listing every violated constraint of `config` (a transformers
+    DeepseekV32Config) for tp_size ranks of which ep_size split the routed experts."""
+    errors: list[str] = []
+    c = config
+    if c.q_lora_rank is None:
+        errors.append("q_lora_rank is None: DeepSeek-V3.2's indexer reads the q latent")
+    if c.qk_rope_head_dim % 2:
+        errors.append(f"qk_rope_head_dim={c.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    if c.index_head_dim < c.qk_rope_head_dim:
+        errors.append(
+            f"index_head_dim={c.index_head_dim} is smaller than qk_rope_head_dim="
+            f"{c.qk_rope_head_dim} (the indexer ropes its first qk_rope_head_dim dims)"
+        )
+    if c.index_topk < 1:
+        errors.append(f"index_topk={c.index_topk} must be at least 1")
+    if not 0 <= c.first_k_dense_replace <= c.num_hidden_layers:
+        errors.append(
+            f"first_k_dense_replace={c.first_k_dense_replace} is outside 0..num_hidden_layers="
+            f"{c.num_hidden_layers}"
+        )
+    experts, groups = c.n_routed_experts, c.n_group
+    if experts % groups:
+        errors.append(f"n_routed_experts={experts} does not split into n_group={groups} groups")
+    elif experts // groups < 2 and groups > 1:
+        errors.append(
+            f"n_routed_experts={experts} in n_group={groups} groups leaves "
+            f"{experts // groups} expert per group; a group's score sums its top 2"
+        )
+    if not 1 <= c.topk_group <= groups:
+        errors.append(f"topk_group={c.topk_group} is outside 1..n_group={groups}")
+    elif groups and not experts % groups:
+        selectable = c.topk_group * (experts // groups)
+        if not 1 <= c.num_experts_per_tok <= selectable:
+            errors.append(
+                f"num_experts_per_tok={c.num_experts_per_tok} is outside 1..{selectable}, the "
+                f"experts that topk_group={c.topk_group} groups of {experts // groups} hold"
+            )
+    if ep_size < 1 or tp_size < 1 or tp_size % ep_size:
+        errors.append(f"ep_size={ep_size} must divide tp_size={tp_size}")
+    else:
+        _split(errors, "num_attention_heads", c.num_attention_heads, tp_size, "tp_size")
+        _split(errors, "intermediate_size", c.intermediate_size, tp_size, "tp_size")
+        _split(
+            errors,
+            "moe_intermediate_size * n_shared_experts",
+            c.moe_intermediate_size * c.n_shared_experts,
+            tp_size,
+            "tp_size",
+        )
+        _split(errors, "n_routed_experts", experts, ep_size, "ep_size")
+        _split(
+            errors,
+            "moe_intermediate_size",
+            c.moe_intermediate_size,
+            tp_size // ep_size,
+            "tp_size // ep_size",
+        )
+    if errors:
+        raise ModelConfigError("invalid model config: " + "; ".join(errors))
+
+
+def check_checkpoint(model_dir: str | None, tp_size: int = 1, ep_size: int = 1) -> None:
+    """check_model_config on a checkpoint directory's config.json (None: the default model)."""
+    from workers.default_model import default_model_path
+    from workers.loader import load_config
+
+    check_model_config(load_config(model_dir or default_model_path()), tp_size, ep_size)
