@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from cluster.executor import Executor
 from workers.batch import SeqResult, StepInput, StepOutput
@@ -18,6 +19,9 @@ from workers.batch import SeqResult, StepInput, StepOutput
 SCRIPT_FILE = "script.json"
 EOS_TOKEN_ID = 1
 NUM_KV_BLOCKS = 1024
+# A step takes this long, as a model's would: a stream then sees its tokens step by step (a
+# stream that falls behind the engine gets several steps joined into one chunk, by design).
+STEP_DELAY_S = 0.02
 
 
 class ScriptedExecutor(Executor):
@@ -29,6 +33,8 @@ class ScriptedExecutor(Executor):
         self._num_emitted: dict[str, int] = {}
 
     def execute(self, step: StepInput) -> StepOutput:
+        if step.seqs:
+            time.sleep(STEP_DELAY_S)
         for request_id in step.finished_request_ids:
             self._num_emitted.pop(request_id, None)
         results = []
