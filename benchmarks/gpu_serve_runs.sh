@@ -3,7 +3,8 @@
 # (bench_serve) and the TP executor's per-step overhead (bench_tp_step). Run from the repository
 # root with .raydev/raysite.tar.xz there (bash ../shared/gpu/ray-bundle.sh makes it). One part
 # per call keeps each under the device's 10-minute limit; a second argument "colocated" serves
-# ingress and engine as one deployment (AppArgs.colocate) instead of two:
+# ingress and engine as one deployment (AppArgs.colocate) instead of two ("two" for the default
+# shape when passing more bench_serve arguments after it):
 #   bash benchmarks/gpu_serve_runs.sh tp_step               # 2 GPUs: per-step overhead, TP=2 vs 1
 #   bash benchmarks/gpu_serve_runs.sh tiny_tp1 [colocated]  # tiny model, TP=1
 #   bash benchmarks/gpu_serve_runs.sh tiny_tp2 [colocated]  # 2 GPUs: tiny model, TP=2
@@ -14,6 +15,8 @@
 set -euo pipefail
 part=${1:-tiny_tp1}
 shape=${2:-}
+shift $(($# < 2 ? $# : 2))
+more=("$@")  # anything after the shape goes to bench_serve (e.g. --stream-chunks-per-s 2000)
 mkdir -p /tmp/site
 [ -d /tmp/site/ray ] || tar xJf .raydev/raysite.tar.xz -C /tmp/site
 export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled
@@ -28,7 +31,8 @@ serve_pair() {  # $1: name; the rest: bench_serve arguments (offline and HTTP in
   local extra=()
   if [ "$shape" = colocated ]; then extra=(--colocate); name=$name-colocated; fi
   python3 benchmarks/bench_serve.py --device cuda --concurrency $levels --max-tokens 128 \
-    --actor-num-cpus 1 ${extra[@]+"${extra[@]}"} "$@" --json "$out/$name.json"
+    --actor-num-cpus 1 ${extra[@]+"${extra[@]}"} "$@" ${more[@]+"${more[@]}"} \
+    --json "$out/$name.json"
 }
 
 case $part in
