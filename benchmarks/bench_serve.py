@@ -19,13 +19,14 @@ concurrency, --min-requests)` requests in all:
 On a GPU the offline engine runs first and is shut down before the Serve app starts (one engine
 on the device at a time); on CPU both stay up and each level runs offline, streamed and full back
 to back (`--interleave`), so a shared box's drifting load moves the paths together. `--repeat`
-passes over the levels again; ratios pair each row with the offline row of its pass. Each path gets one untimed burst first (warm-up). Columns: output tokens/s over
-the level's wall time, its ratio to offline at the same concurrency, time to first token (stream:
-first text chunk; offline: first step output with a token) and inter-token latency (gap between
-a request's consecutive outputs that carried text; an MTP round's tokens arrive together) at
-p50/p99, and request latency p50. The last line says whether every prompt's text was the same on
-every path (greedy). Needs `httpx`, else `aiohttp` (the H200 machine's Ray bundle relies on the
-machine's aiohttp).
+passes over the levels again; ratios pair each row with the offline row of its pass. Each path
+gets one untimed burst first (warm-up). Columns: output tokens/s over the level's wall time, its
+ratio to offline at the same concurrency, time to first token (stream: first text chunk;
+offline: first step output with a token) and inter-token latency (gap between a request's
+consecutive outputs that carried text; an MTP round's tokens, and a paced stream's steps, arrive
+together) at p50/p99, and request latency p50. The last line says whether every prompt's text
+was the same on every path (greedy). Needs `httpx`, else `aiohttp` (the H200 machine's Ray
+bundle relies on the machine's aiohttp).
 """
 
 from __future__ import annotations
