@@ -150,7 +150,6 @@ class LLMEngine:
     def _step_input(self, scheduled: SchedulerOutput) -> StepInput:
         seqs = []
         for s in scheduled.scheduled:
-            p = s.request.sampling_params
             seqs.append(
                 SeqWork(
                     request_id=s.request_id,
@@ -159,11 +158,31 @@ class LLMEngine:
                     block_ids=list(s.request.block_ids),
                     num_draft_tokens=s.num_draft_tokens,
                     samples=s.samples,
-                    sampling=SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed, p.logprobs),
+                    sampling=self._sampling_spec(s.request),
                 )
             )
         finished, self._finished_ids = self._finished_ids, []
         return StepInput(seqs, self.num_draft_tokens, self.config.share_topk, finished)
+
+    def _sampling_spec(self, request: Request) -> SamplingSpec:
+        p = request.sampling_params
+        if not p.has_logits_processors:
+            return SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed, p.logprobs)
+        masked = set(p.stop_token_ids) | (set() if p.ignore_eos else request.eos_token_ids)
+        return SamplingSpec(
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            p.seed,
+            p.logprobs,
+            logit_bias=tuple(sorted(p.logit_bias.items())),
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            min_tokens=p.min_tokens,
+            min_tokens_masked_ids=tuple(sorted(masked)),
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every unfinished request with an error (a rank failed); frees their blocks."""

@@ -9,7 +9,7 @@ One step serves every scheduled request at once:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,8 +18,9 @@ from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
 from workers.kv_cache import allocate_kv_caches, max_blocks_per_seq
+from workers.logits_processors import process_logits, record_step_tokens
 from workers.mtp_proposer import draft_chain
-from workers.sampler import token_logprobs, verify_and_sample
+from workers.sampler import generator_seed, token_logprobs, verify_and_sample
 from workers.topk_share import DraftTopkShare
 
 
@@ -32,6 +33,9 @@ class _SeqState:
     pending_hidden: torch.Tensor | None = None
     pending_position: int = -1
     generator: torch.Generator | None = None
+    # Prompt and output so far, kept only for requests with logits processors (penalties count
+    # tokens): the worker sees every token once, so the coordinator never resends history.
+    token_ids: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -102,7 +106,9 @@ class ModelRunner:
         if state is None:
             state = _SeqState()
             if seq.sampling.seed is not None:
-                state.generator = torch.Generator(self.device).manual_seed(seq.sampling.seed)
+                state.generator = torch.Generator(self.device).manual_seed(
+                    generator_seed(seq.sampling.seed)
+                )
             self.states[seq.request_id] = state
         elif seq.start_position == 0:
             # A recompute after preemption: the cache is rebuilt from scratch, but a seeded
@@ -149,19 +155,50 @@ class ModelRunner:
 
         # Every row's argmax in one device-to-host copy: greedy requests need nothing else.
         argmax = logits.argmax(-1).tolist() if logits is not None else []
+        results = self._sample(seqs, states, logits, argmax)
+
+        if self.has_mtp and step.num_draft_tokens > 0:
+            self._agree_on_samples(seqs, results)
+            self._propose(step, seqs, states, tables_cpu, tables, hidden, offsets, results)
+        return StepOutput(results)
+
+    def _sample(self, seqs, states, logits, argmax: list[int]) -> list[SeqResult]:
+        """Accept drafts and sample, per request. If any request fails here, every seeded
+        generator is put back as it was before the step and the error propagates, so the engine
+        can re-run the step without the failing request and the others draw exactly as if it
+        had never been there."""
+        snapshots = [
+            (st.generator, st.generator.get_state()) for st in states if st.generator is not None
+        ]
+        try:
+            return self._sample_each(seqs, states, logits, argmax)
+        except BaseException:
+            for generator, snapshot in snapshots:
+                generator.set_state(snapshot)
+            raise
+
+    def _sample_each(self, seqs, states, logits, argmax: list[int]) -> list[SeqResult]:
         results, cursor = [], 0
         for s, state in zip(seqs, states):
+            if s.sampling.has_logits_processors:
+                record_step_tokens(state.token_ids, s.start_position, s.token_ids)
             if not s.samples:
                 results.append(SeqResult(s.request_id, []))
                 continue
             n = s.num_draft_tokens + 1
             seq_logits = logits[cursor : cursor + n]
+            seq_argmax = argmax[cursor : cursor + n]
             cursor += n
             drafts = (
                 s.token_ids[len(s.token_ids) - s.num_draft_tokens :] if s.num_draft_tokens else []
             )
+            sample_logits = seq_logits
+            if s.sampling.has_logits_processors:
+                context = state.token_ids[: len(state.token_ids) - s.num_draft_tokens]
+                sample_logits = process_logits(seq_logits, s.sampling, context, drafts)
+                seq_argmax = None
             tokens, accepted = verify_and_sample(
-                seq_logits, drafts, s.sampling, state.generator, argmax[cursor - n : cursor]
+                sample_logits, drafts, s.sampling, state.generator, seq_argmax
             )
             logprobs = None
             if s.sampling.num_logprobs is not None:
@@ -169,11 +206,7 @@ class ModelRunner:
                     seq_logits[: len(tokens)], tokens, s.sampling.num_logprobs
                 )
             results.append(SeqResult(s.request_id, tokens, accepted, [], logprobs))
-
-        if self.has_mtp and step.num_draft_tokens > 0:
-            self._agree_on_samples(seqs, results)
-            self._propose(step, seqs, states, tables_cpu, tables, hidden, offsets, results)
-        return StepOutput(results)
+        return results
 
     def _agree_on_samples(self, seqs: list[SeqWork], results: list[SeqResult]) -> None:
         """Give every TP rank rank 0's sampled tokens before drafting from them.
