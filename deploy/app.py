@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
-from deploy.ingress import OpenAIIngress
+from deploy.ingress import IngressLimits, OpenAIIngress
 from deploy.model_server import ModelServer
 
 MODEL_SERVER_NAME = "ModelServer"
@@ -50,6 +50,10 @@ class AppArgs(BaseModel):
     model_server_max_ongoing_requests: int = Field(256, ge=1)
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     num_replicas: int = Field(1, ge=1)
+    # What one HTTP request may take (deploy.ingress.IngressLimits holds the defaults).
+    max_request_body_bytes: int = Field(IngressLimits.max_request_body_bytes, ge=1)
+    max_sequences_per_request: int = Field(IngressLimits.max_sequences_per_request, ge=1)
+    max_live_sequences_per_request: int = Field(IngressLimits.max_live_sequences_per_request, ge=1)
     autoscaling_config: dict[str, Any] | None = None
 
     @property
@@ -111,4 +115,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
     )
-    return ingress.bind(model_server.bind(engine_config_dict(args)))
+    limits = IngressLimits(
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_live_sequences_per_request=args.max_live_sequences_per_request,
+    )
+    return ingress.bind(model_server.bind(engine_config_dict(args)), limits)

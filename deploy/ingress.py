@@ -4,18 +4,29 @@ It validates bodies, tokenizes (chat template included), fans a request out into
 request per choice on the model-server deployment (streaming `DeploymentHandle` calls), and
 merges the streams back into OpenAI responses or server-sent events.
 
-The status is decided before the first byte: the ingress waits for every choice's first item, so
-an engine error (bad parameters, prompt longer than the context, queue full) becomes a 4xx/503
-with an OpenAI error body instead of a broken stream. When the HTTP client disconnects, Serve
-cancels this request and, through `_merge`'s `finally`, each engine call, and the model server
-aborts the engine requests (their KV blocks are freed).
+The status is decided before the first byte: the ingress waits for the first item of every
+choice it starts, so an engine error (bad parameters, prompt longer than the context, queue full)
+becomes a 4xx/503 with an OpenAI error body instead of a broken stream.
+
+No request may hurt another (`IngressLimits`): a body past `max_request_body_bytes` is a 413
+before it is read; tokenizing and chat templates run on one worker thread, never on the event
+loop, after a length check that needs no tokenizer; a request may ask for at most
+`max_sequences_per_request` choices (prompts x n; 400 beyond), and at most
+`max_live_sequences_per_request` of them are in the engine at once, the next starting as one
+finishes, so a huge fan-out shares the engine with everyone else instead of filling it.
+
+When the HTTP client disconnects, Serve cancels this request and, through `_merge`'s `finally`,
+each engine call, and the model server aborts the engine requests (their KV blocks are freed).
 """
 
 # No `from __future__ import annotations` here: Serve's class-based views rebuild the route
 # signatures, and FastAPI then sees string annotations it cannot resolve (bodies become queries).
 
 import asyncio
+import dataclasses
+import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,9 +58,94 @@ from deploy.openai_protocol import (
     random_id,
 )
 
+logger = logging.getLogger("ray.serve")
+
 app = FastAPI(title="mtpserve", docs_url=None, redoc_url=None)
 
 _END = object()  # marks the end of one choice's stream inside `_merge`
+
+
+@dataclasses.dataclass(frozen=True)
+class IngressLimits:
+    """What one HTTP request may take. Defaults: a 4 MiB body holds a full 8k-token context
+    many times over; 2048 sequences is 16 prompts x OpenAI's n = 128; 32 live sequences per
+    request leave room in a 64-sequence engine batch for others."""
+
+    max_request_body_bytes: int = 4 * 2**20
+    max_sequences_per_request: int = 2048
+    max_live_sequences_per_request: int = 32
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body past the limit is a 413 with an OpenAI error body, from
+    its Content-Length before anything is read, or as soon as a chunked body passes it."""
+
+    def __init__(self, asgi_app, max_bytes: int = IngressLimits.max_request_body_bytes):
+        self.app = asgi_app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = getattr(getattr(scope.get("app"), "state", None), "max_body_bytes", None)
+        limit = limit or self.max_bytes
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await self._refuse(send, limit)
+        if declared is not None:
+            return await self.app(scope, receive, send)
+        # Chunked: read it here, up to the limit, then replay it.
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > limit:
+                return await self._refuse(send, limit)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        return await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(send, limit: int) -> None:
+        error = ErrorBody(
+            message=f"the request body is larger than {limit} bytes",
+            type="invalid_request_error",
+            code="request_too_large",
+        )
+        body = ErrorResponse(error=error).model_dump_json().encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+app.add_middleware(BodySizeLimit)
+
+_UNION_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+def _param_of(error: dict) -> str | None:
+    """An OpenAI `param` from a pydantic error: its location without "body" and without the
+    union-member tags pydantic inserts ("list[int]", "str"), then the validator's own param."""
+    location = [
+        str(part)
+        for part in error.get("loc", ())
+        if part != "body" and not (isinstance(part, str) and (part in _UNION_TAGS or "[" in part))
+    ]
+    own = (error.get("ctx") or {}).get("param")
+    if own and own != "body":
+        location.append(own)
+    return ".".join(location) or None
 
 
 def error_response(
@@ -88,11 +184,19 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
             "invalid_request_error",
             code="json_invalid",
         )
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    param = _param_of(first)
+    if first.get("type") == "extra_forbidden":
+        message = (
+            f"unknown field `{param}`: this server takes OpenAI's fields and the documented "
+            "extensions (see the README)"
+        )
+        return error_response(400, message, "invalid_request_error", param, "unknown_field")
+    message = str(first.get("msg", "invalid value"))
+    if (first.get("ctx") or {}).get("param"):  # our validators' messages name the field already
+        message = message.split(": ", 1)[-1]
     return error_response(
         400,
-        f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg")),
+        f"{param}: {message}" if param else message,
         "invalid_request_error",
         param=param,
         code="invalid_value",
@@ -104,6 +208,18 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
 
+def max_chars_per_token(tokenizer) -> int:
+    """An upper bound on the characters of text one token covers, from the vocabulary: a
+    byte-level token's string has one character per byte it covers, and a text has no more
+    characters than bytes, so a text of c characters has at least c / bound tokens. A
+    normalizer (NFKC may shrink a text) gets a margin of 4."""
+    bound = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        bound *= 4
+    return max(bound, 1)
+
+
 def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
@@ -113,21 +229,43 @@ def _failure_event(failure: GenerateFailure) -> str:
     return _sse(failure_body(failure).model_dump_json())
 
 
+def _is_number_or_numbers(value) -> bool:
+    if isinstance(value, list):
+        return all(_is_number_or_numbers(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+async def _first_item(stream):
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return GenerateFailure(500, "internal_error", "engine stream ended without output")
+    except Exception as exc:  # noqa: BLE001
+        return _failure_from_handle_error(exc)
+
+
 def _failure_from_handle_error(exc: BaseException) -> GenerateFailure:
-    """A call that failed in Serve itself (replica died, cancelled): not the client's fault."""
-    return GenerateFailure(503, "service_unavailable", f"model server failed: {exc}")
+    """A call that failed in Serve itself (replica died, cancelled): not the client's fault.
+    The exception (actor ids, node addresses) goes to the log, not to the client."""
+    logger.warning("model server call failed: %s", exc)
+    return GenerateFailure(503, "service_unavailable", "the model server is unavailable")
 
 
 @serve.ingress(app)  # here, at import: the replica must see the class-based routes it rewrites
 class OpenAIIngress:
     """Serve deployment class; `deploy.app.build_app` makes it a deployment."""
 
-    def __init__(self, model_server: DeploymentHandle):
+    def __init__(self, model_server: DeploymentHandle, limits: IngressLimits | None = None):
         self._model_server = model_server
         self._stream_server = model_server.options(stream=True)
+        self._limits = limits or IngressLimits()
+        app.state.max_body_bytes = self._limits.max_request_body_bytes
         self._info: ModelInfo | None = None
         self._tokenizer = None
+        self._max_prompt_chars = 0
         self._ready_lock: asyncio.Lock | None = None
+        # One thread: tokenizers are not safe to share across threads, and the loop stays free.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def _ready(self) -> tuple[ModelInfo, object]:
         """The served model's name, context length and tokenizer, fetched once."""
@@ -140,8 +278,35 @@ class OpenAIIngress:
                     self._tokenizer = await asyncio.to_thread(
                         AutoTokenizer.from_pretrained, info.model_dir
                     )
+                    self._max_prompt_chars = info.max_model_len * max_chars_per_token(
+                        self._tokenizer
+                    )
                     self._info = info
         return self._info, self._tokenizer
+
+    async def _tokenize(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _check_sizes(self, texts: list[str], num_sequences: int, info: ModelInfo, param: str):
+        """400s that need no tokenizer: too many sequences, or text no context can hold."""
+        if num_sequences > self._limits.max_sequences_per_request:
+            return error_response(
+                400,
+                f"this request asks for {num_sequences} sequences (prompts x n); at most "
+                f"{self._limits.max_sequences_per_request} per request",
+                "invalid_request_error",
+                param="n",
+            )
+        num_chars = sum(len(t) for t in texts)
+        if num_chars > self._max_prompt_chars:
+            return error_response(
+                400,
+                f"the prompt has {num_chars} characters, more than {self._max_prompt_chars}, "
+                f"which cannot fit this model's context of {info.max_model_len} tokens",
+                "invalid_request_error",
+                param=param,
+            )
+        return None
 
     def _check_model(self, requested: str, info: ModelInfo) -> JSONResponse | None:
         if requested in (info.model_name, info.model_dir):
@@ -163,18 +328,32 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
+        """Status and engine numbers only: why it is unhealthy (actor ids, node addresses,
+        tracebacks) goes to the log, never to whoever can reach the port."""
         try:
             stats = await self._model_server.probe.remote()
-        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
-            return error_response(503, f"unhealthy: {exc}", "service_unavailable")
-        return JSONResponse({"status": "ok", "engine": stats})
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            logger.warning("health probe failed", exc_info=True)
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        numbers = {k: v for k, v in stats.items() if _is_number_or_numbers(v)}
+        return JSONResponse({"status": "ok", "engine": numbers})
 
     @app.post("/v1/completions")
     async def completions(self, request: CompletionRequest):
         info, tokenizer = await self._ready()
         if (not_found := self._check_model(request.model, info)) is not None:
             return not_found
-        prompts = serving.completion_prompt_token_ids(request, tokenizer)
+        prompt = request.prompt
+        num_prompts = 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
+        refused = self._check_sizes(request.prompt_texts, num_prompts * request.n, info, "prompt")
+        if refused is not None:
+            return refused
+        try:
+            prompts = await self._tokenize(serving.completion_prompt_token_ids, request, tokenizer)
+        except Exception as exc:  # noqa: BLE001 - what the tokenizer refuses is the prompt's fault
+            return error_response(
+                400, f"the prompt cannot be tokenized: {exc}", "invalid_request_error", "prompt"
+            )
         started = await self._start("cmpl", serving.plan_completion, request, prompts, info)
         if isinstance(started, JSONResponse):
             return started
@@ -215,8 +394,12 @@ class OpenAIIngress:
         info, tokenizer = await self._ready()
         if (not_found := self._check_model(request.model, info)) is not None:
             return not_found
+        texts = [m.text() for m in request.messages]
+        refused = self._check_sizes(texts, request.n, info, "messages")
+        if refused is not None:
+            return refused
         try:
-            prompt_ids = serving.chat_prompt_token_ids(request, tokenizer)
+            prompt_ids = await self._tokenize(serving.chat_prompt_token_ids, request, tokenizer)
         except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
             return error_response(
                 400, f"chat template failed: {exc}", "invalid_request_error", param="messages"
@@ -275,24 +458,13 @@ class OpenAIIngress:
         return request_id, plans, self._merge(*opened)
 
     async def _open(self, request_id: str, plans: list[serving.ChoicePlan]):
-        """Start one engine request per choice and wait for each one's first item."""
-        streams = [
-            self._stream_server.generate.remote(
-                GenerateRequest(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.params)
-            )
-            for plan in plans
-        ]
-
-        async def first_item(stream):
-            try:
-                return await stream.__anext__()
-            except StopAsyncIteration:
-                return GenerateFailure(500, "internal_error", "engine stream ended without output")
-            except Exception as exc:  # noqa: BLE001
-                return _failure_from_handle_error(exc)
-
+        """Start the first `max_live_sequences_per_request` choices and wait for each one's
+        first item: -> (the choices' streams and first items, the choices still to start), or
+        the error response when one of them failed."""
+        num_live = self._limits.max_live_sequences_per_request
+        streams = [self._start_choice(request_id, plan) for plan in plans[:num_live]]
         try:
-            firsts = await asyncio.gather(*(first_item(s) for s in streams))
+            firsts = await asyncio.gather(*(_first_item(s) for s in streams))
         except BaseException:
             for stream in streams:
                 stream.cancel()
@@ -302,16 +474,27 @@ class OpenAIIngress:
             for stream in streams:
                 stream.cancel()
             return failure_response(min(failures, key=lambda f: f.status_code))
-        return streams, firsts
+        return request_id, streams, firsts, plans[num_live:]
+
+    def _start_choice(self, request_id: str, plan: serving.ChoicePlan):
+        return self._stream_server.generate.remote(
+            GenerateRequest(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.params)
+        )
 
     async def _merge(
-        self, streams, firsts
+        self, request_id, streams, firsts, later: list[serving.ChoicePlan]
     ) -> AsyncIterator[tuple[int, RequestOutput | GenerateFailure]]:
-        """Interleave the choices' streams as items arrive: yields (choice index, item)."""
+        """Interleave the choices' streams as items arrive: yields (choice index, item). The
+        `later` choices start one by one, each when a live one finishes, in index order."""
         queue: asyncio.Queue = asyncio.Queue()
+        pending = list(reversed(later))
+        streams = list(streams)
+        tasks: list[asyncio.Task] = []
 
         async def pump(index: int, stream, first) -> None:
             try:
+                if first is None:
+                    first = await _first_item(stream)
                 await queue.put((index, first))
                 if not (isinstance(first, RequestOutput) and first.finished):
                     async for item in stream:
@@ -323,16 +506,21 @@ class OpenAIIngress:
             finally:
                 queue.put_nowait((index, _END))
 
-        tasks = [
-            asyncio.create_task(pump(i, stream, first))
-            for i, (stream, first) in enumerate(zip(streams, firsts))
-        ]
-        remaining = len(tasks)
+        def launch(index: int, stream, first) -> None:
+            tasks.append(asyncio.create_task(pump(index, stream, first)))
+
+        for i, (stream, first) in enumerate(zip(streams, firsts)):
+            launch(i, stream, first)
+        remaining = len(tasks) + len(pending)
         try:
             while remaining:
                 index, item = await queue.get()
                 if item is _END:
                     remaining -= 1
+                    if pending:  # a live choice ended: the next one takes its place
+                        plan = pending.pop()
+                        streams.append(self._start_choice(request_id, plan))
+                        launch(plan.index, streams[-1], None)
                     continue
                 yield index, item
         finally:
