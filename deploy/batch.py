@@ -216,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     from cluster.async_engine import AsyncEngine
     from cluster.config import EngineConfig

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -72,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     if args.command == "make-tiny-model":
         from workers.tiny_model import make_tiny_model
