@@ -391,6 +391,21 @@ def test_fan_out_is_admitted_gradually_and_bounded(
     assert error["param"] == "n" and "2176" in error["message"]
 
 
+def test_choices_past_the_live_cap_all_arrive(client, served_model, offline_llm):
+    """n = 40 > max_live_sequences_per_request (32): the last 8 start as others finish, and
+    every choice comes back, each the offline greedy completion."""
+    from deploy.ingress import IngressLimits
+
+    n = IngressLimits.max_live_sequences_per_request + 8
+    response = client.completions.create(
+        model=served_model["id"], prompt=PROMPT, max_tokens=5, temperature=0.0, n=n
+    )
+    [reference] = offline_llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0))
+    assert sorted(c.index for c in response.choices) == list(range(n))
+    assert {c.text for c in response.choices} == {reference.text}
+    assert response.usage.completion_tokens == n * len(reference.token_ids)
+
+
 # --- 7. /health --------------------------------------------------------------------------------
 
 
