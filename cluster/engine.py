@@ -158,7 +158,9 @@ class LLMEngine:
         try:
             output = self.executor.execute(step)
         except WorkerError as exc:
-            self.executor.check_health()  # a dead or hung rank: the engine's failure, not one
+            if not exc.step_raised:
+                raise  # a rank died or hangs: the engine's failure, not one request's
+            self.executor.check_health()
             if len(step.seqs) == 1:
                 logger.warning("request %s failed alone: %s", step.seqs[0].request_id, exc)
                 return {}, {step.seqs[0].request_id: str(exc)}

@@ -176,7 +176,32 @@ class RayExecutor(Executor):
 
         step_ref = ray.put(step)  # serialized once, read by every rank
         refs = [w.execute.remote(step_ref) for w in self.workers]
-        return self._get_all(refs, self.config.step_timeout_s)[0]
+        deadline = time.monotonic() + self.config.step_timeout_s
+        try:
+            return self._get_all(refs, self.config.step_timeout_s)[0]
+        except WorkerError as exc:
+            if self._all_raised_or_done(refs, deadline):
+                raise WorkerError(str(exc), step_raised=True) from exc
+            raise
+
+    def _all_raised_or_done(self, refs: list, deadline: float) -> bool:
+        """After a failed step: True when every rank finished it (returned or raised; none
+        died) before the deadline, so the ranks are idle and the step can be re-run."""
+        import ray
+
+        _, pending = ray.wait(
+            refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic())
+        )
+        if pending:
+            return False
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return False
+            except ray.exceptions.RayTaskError:
+                pass
+        return True
 
     def check_health(self) -> None:
         if not self.workers:
