@@ -77,8 +77,12 @@ class IngressLimits:
 
 
 class BodySizeLimit:
-    """ASGI middleware: a request body past the limit is a 413 with an OpenAI error body, from
-    its Content-Length before anything is read, or as soon as a chunked body passes it."""
+    """ASGI middleware: a request body past the limit is a 413 with an OpenAI error body, decided
+    from its Content-Length before anything is parsed, or as soon as a chunked body passes it.
+
+    The rest of a refused body is read and dropped (never kept, never parsed) before the answer:
+    a server that answers and closes while the client is still sending makes most clients report
+    a broken connection instead of the 413."""
 
     def __init__(self, asgi_app, max_bytes: int = IngressLimits.max_request_body_bytes):
         self.app = asgi_app
@@ -92,7 +96,7 @@ class BodySizeLimit:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await self._refuse(send, limit)
+            return await self._refuse(receive, send, limit)
         if declared is not None:
             return await self.app(scope, receive, send)
         # Chunked: read it here, up to the limit, then replay it.
@@ -102,7 +106,7 @@ class BodySizeLimit:
             messages.append(message)
             size += len(message.get("body", b""))
             if size > limit:
-                return await self._refuse(send, limit)
+                return await self._refuse(receive, send, limit, more=message.get("more_body"))
             if message["type"] != "http.request" or not message.get("more_body"):
                 break
 
@@ -112,7 +116,10 @@ class BodySizeLimit:
         return await self.app(scope, replay, send)
 
     @staticmethod
-    async def _refuse(send, limit: int) -> None:
+    async def _refuse(receive, send, limit: int, more: bool = True) -> None:
+        while more:  # drop the rest of the body
+            message = await receive()
+            more = message["type"] == "http.request" and message.get("more_body", False)
         error = ErrorBody(
             message=f"the request body is larger than {limit} bytes",
             type="invalid_request_error",
@@ -123,7 +130,7 @@ class BodySizeLimit:
             {
                 "type": "http.response.start",
                 "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+                "headers": [(b"content-type", b"application/json")],
             }
         )
         await send({"type": "http.response.body", "body": body})
