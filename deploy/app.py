@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
-from deploy.ingress import IngressLimits, OpenAIIngress
+from deploy.ingress import OpenAIIngress
+from deploy.limits import IngressLimits
 from deploy.model_server import ModelServer
 
 MODEL_SERVER_NAME = "ModelServer"
@@ -50,7 +51,7 @@ class AppArgs(BaseModel):
     model_server_max_ongoing_requests: int = Field(256, ge=1)
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     num_replicas: int = Field(1, ge=1)
-    # What one HTTP request may take (deploy.ingress.IngressLimits holds the defaults).
+    # What one HTTP request may take (deploy.limits.IngressLimits holds the defaults).
     max_request_body_bytes: int = Field(IngressLimits.max_request_body_bytes, ge=1)
     max_sequences_per_request: int = Field(IngressLimits.max_sequences_per_request, ge=1)
     max_live_sequences_per_request: int = Field(IngressLimits.max_live_sequences_per_request, ge=1)

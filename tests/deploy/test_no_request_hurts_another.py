@@ -394,7 +394,7 @@ def test_fan_out_is_admitted_gradually_and_bounded(
 def test_choices_past_the_live_cap_all_arrive(client, served_model, offline_llm):
     """n = 40 > max_live_sequences_per_request (32): the last 8 start as others finish, and
     every choice comes back, each the offline greedy completion."""
-    from deploy.ingress import IngressLimits
+    from deploy.limits import IngressLimits
 
     n = IngressLimits.max_live_sequences_per_request + 8
     response = client.completions.create(
