@@ -46,11 +46,14 @@ def failure_from_exception(exc: BaseException) -> GenerateFailure:
         return GenerateFailure(400, "invalid_request_error", message, getattr(exc, "param", None))
     if isinstance(exc, EngineOverloadedError):
         return GenerateFailure(503, "overloaded_error", str(exc) or "engine queue is full")
+    # Engine failures name actors, hosts and tracebacks: those go to the log, not to clients.
+    logger.warning("request failed: %s: %s", type(exc).__name__, exc)
     if isinstance(exc, EngineDeadError):
-        return GenerateFailure(503, "engine_dead_error", str(exc) or "engine workers died")
+        message = "the engine's workers failed; it is being rebuilt, retry shortly"
+        return GenerateFailure(503, "engine_dead_error", message)
     if isinstance(exc, RequestFailedError):
         return GenerateFailure(500, "internal_error", str(exc))
-    return GenerateFailure(500, "internal_error", f"{type(exc).__name__}: {exc}")
+    return GenerateFailure(500, "internal_error", "internal error (the server log has why)")
 
 
 def engine_stats_dict(stats) -> dict:
