@@ -274,9 +274,10 @@ class OpenAIIngress:
             return refused
         try:
             prompts = await self._tokenize(serving.completion_prompt_token_ids, request, tokenizer)
-        except Exception as exc:  # noqa: BLE001 - what the tokenizer refuses is the prompt's fault
+        except Exception:  # noqa: BLE001 - what the tokenizer refuses is the prompt's fault
+            logger.info("tokenizing a prompt failed", exc_info=True)
             return error_response(
-                400, f"the prompt cannot be tokenized: {exc}", "invalid_request_error", "prompt"
+                400, "the prompt cannot be tokenized", "invalid_request_error", "prompt"
             )
         started = await self._start("cmpl", serving.plan_completion, request, prompts, info)
         if isinstance(started, JSONResponse):
@@ -383,8 +384,8 @@ class OpenAIIngress:
 
     async def _open(self, request_id: str, plans: list[serving.ChoicePlan]):
         """Start the first `max_live_sequences_per_request` choices and wait for each one's
-        first item: -> (the choices' streams and first items, the choices still to start), or
-        the error response when one of them failed."""
+        first item: -> (request id, their streams, their first items, the choices still to
+        start), `_merge`'s arguments; or the error response when one of them failed."""
         num_live = self._limits.max_live_sequences_per_request
         streams = [self._start_choice(request_id, plan) for plan in plans[:num_live]]
         try:
