@@ -151,10 +151,12 @@ class LLMEngine:
         return outputs
 
     def _execute_isolating(self, step: StepInput) -> tuple[dict[str, SeqResult], dict[str, str]]:
-        """Run the step; if it fails while every rank is still healthy, re-run it in halves
-        (the workers put each request's state back after a failed step) until the requests
-        that fail alone are found. -> (results by request id, error by failed request id).
-        Raises WorkerError when a rank is gone or hung (then the whole engine has failed)."""
+        """Run the step; if its code raised on the ranks and every rank finished it and still
+        answers, re-run it in halves (the workers put each request's state back after a failed
+        step) until the requests that fail alone are found; a step that fails only with many
+        requests (memory) succeeds in parts the same way. -> (results by request id, error by
+        failed request id). Raises WorkerError when a rank died or hangs: then the whole engine
+        has failed. Cost: a step that fails for one request of n runs about 2 log2(n) times."""
         try:
             output = self.executor.execute(step)
         except WorkerError as exc:
