@@ -28,13 +28,21 @@ STARTUP_TIMEOUT_S = 300.0  # placement, actor start, rendezvous, and loading the
 HEALTH_TIMEOUT_S = 10.0
 
 
+LOOPBACK = "127.0.0.1"
+# Ray's gRPC servers (GCS, raylet, object manager, core workers, agents) listen on every
+# interface whatever the node address (Ray 2.60, measured with `ss -ltnp`), so a local Ray
+# cannot be bound to loopback; Ray's token auth is what keeps other hosts from running code
+# here. Ray >= 2.59 turns it on for a new local cluster unless RAY_AUTH_MODE says otherwise
+# (its token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, made if missing), so a
+# Ray that mtpserve starts leaves RAY_AUTH_MODE alone (the test suite sets "disabled").
+
+
 def ensure_ray(config: EngineConfig) -> None:
     """Start a local Ray if this process is not connected to one yet."""
     import ray
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # The ranks plus room for the coordinator; a GPU box reports its GPUs itself.
     num_cpus = max(os.cpu_count() or 1, int(config.tp_size * config.actor_num_cpus) + 1)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
@@ -168,7 +176,32 @@ class RayExecutor(Executor):
 
         step_ref = ray.put(step)  # serialized once, read by every rank
         refs = [w.execute.remote(step_ref) for w in self.workers]
-        return self._get_all(refs, self.config.step_timeout_s)[0]
+        deadline = time.monotonic() + self.config.step_timeout_s
+        try:
+            return self._get_all(refs, self.config.step_timeout_s)[0]
+        except WorkerError as exc:
+            if self._all_raised_or_done(refs, deadline):
+                raise WorkerError(str(exc), step_raised=True) from exc
+            raise
+
+    def _all_raised_or_done(self, refs: list, deadline: float) -> bool:
+        """After a failed step: True when every rank finished it (returned or raised; none
+        died) before the deadline, so the ranks are idle and the step can be re-run."""
+        import ray
+
+        _, pending = ray.wait(
+            refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic())
+        )
+        if pending:
+            return False
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return False
+            except ray.exceptions.RayTaskError:
+                pass
+        return True
 
     def check_health(self) -> None:
         if not self.workers:

@@ -19,6 +19,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deploy.ingress import OpenAIIngress
+from deploy.limits import IngressLimits
 from deploy.model_server import ModelServer
 from deploy.prefix_router import DEFAULT_BLOCK_SIZE_TOKENS, PrefixAffinityRouter
 
@@ -55,6 +56,10 @@ class AppArgs(BaseModel):
     # Send a request to the replica that was sent the longest prefix of its tokens (its prefix
     # cache likely holds them): deploy/prefix_router.py. Off: Serve's power of two choices.
     prefix_aware_routing: bool = True
+    # What one HTTP request may take (deploy.limits.IngressLimits holds the defaults).
+    max_request_body_bytes: int = Field(IngressLimits.max_request_body_bytes, ge=1)
+    max_sequences_per_request: int = Field(IngressLimits.max_sequences_per_request, ge=1)
+    max_live_sequences_per_request: int = Field(IngressLimits.max_live_sequences_per_request, ge=1)
     autoscaling_config: dict[str, Any] | None = None
 
     @property
@@ -127,4 +132,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
     )
-    return ingress.bind(model_server.bind(engine_config_dict(args)))
+    limits = IngressLimits(
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_live_sequences_per_request=args.max_live_sequences_per_request,
+    )
+    return ingress.bind(model_server.bind(engine_config_dict(args)), limits)

@@ -21,7 +21,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from cluster.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from cluster.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
 from cluster.config import EngineConfig
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import InvalidRequestError
@@ -41,9 +46,14 @@ def failure_from_exception(exc: BaseException) -> GenerateFailure:
         return GenerateFailure(400, "invalid_request_error", message, getattr(exc, "param", None))
     if isinstance(exc, EngineOverloadedError):
         return GenerateFailure(503, "overloaded_error", str(exc) or "engine queue is full")
+    # Engine failures name actors, hosts and tracebacks: those go to the log, not to clients.
+    logger.warning("request failed: %s: %s", type(exc).__name__, exc)
     if isinstance(exc, EngineDeadError):
-        return GenerateFailure(503, "engine_dead_error", str(exc) or "engine workers died")
-    return GenerateFailure(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        message = "the engine's workers failed; it is being rebuilt, retry shortly"
+        return GenerateFailure(503, "engine_dead_error", message)
+    if isinstance(exc, RequestFailedError):
+        return GenerateFailure(500, "internal_error", str(exc))
+    return GenerateFailure(500, "internal_error", "internal error (the server log has why)")
 
 
 def engine_stats_dict(stats) -> dict:
@@ -109,7 +119,11 @@ class ModelServer:
                     self._metrics.num_prompt_tokens.inc(len(request.prompt_token_ids))
                 if out.finished and out.finish_reason == "error":
                     finished = True
-                    yield GenerateFailure(503, "engine_dead_error", out.error or "engine failure")
+                    yield failure_from_exception(
+                        (EngineDeadError if self._engine.is_dead else RequestFailedError)(
+                            out.error or "engine failure"
+                        )
+                    )
                     return
                 if out.new_token_ids:
                     self._metrics.num_generation_tokens.inc(len(out.new_token_ids))
@@ -122,7 +136,12 @@ class ModelServer:
                 yield out
                 if finished:
                     return
-        except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
+        except (
+            InvalidRequestError,
+            EngineOverloadedError,
+            EngineDeadError,
+            RequestFailedError,
+        ) as exc:
             finished = True
             yield failure_from_exception(exc)
         except Exception as exc:  # report, don't crash the replica
