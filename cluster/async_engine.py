@@ -1,9 +1,10 @@
 """An asyncio front for the engine: the step loop runs on its own thread; each request's
 outputs reach its caller through an asyncio queue.
 
-Failure: if a step fails (a rank died, hung past the step timeout, or raised), every request in
-flight ends with finish_reason "error", the engine marks itself dead, and `restart()` builds a
-fresh executor (new workers) that serves the next request.
+Failure: a request that fails inside a step fails alone (`LLMEngine.step` isolates it; its
+caller gets `RequestFailedError`). If the workers fail (a rank died or hung past the step
+timeout), every request in flight ends with finish_reason "error", the engine marks itself dead,
+and `restart()` builds a fresh executor (new workers) that serves the next request.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The workers failed; the engine must be restarted."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside a step; the engine and every other request go on."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -188,7 +193,8 @@ class AsyncEngine:
                 if out.finished:
                     finished = True
                     if out.finish_reason == "error":
-                        raise EngineDeadError(out.error or "engine failure")
+                        failed = EngineDeadError if self._dead is not None else RequestFailedError
+                        raise failed(out.error or "engine failure")
                     return
         finally:
             self._queues.pop(request_id, None)

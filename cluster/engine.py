@@ -5,6 +5,7 @@ step() = schedule -> execute on every rank -> update (append tokens, stop, free 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from cluster.outputs import RequestOutput, SpecDecodeStats, make_request_output
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from workers.batch import SamplingSpec, SeqWork, StepInput
+from workers.batch import SamplingSpec, SeqResult, SeqWork, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -148,15 +149,17 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. A request that fails inside the step fails alone (its
+        output has finish_reason "error"); WorkerError only when the workers themselves failed."""
         scheduled = self.scheduler.schedule()
         # Told to the workers with the next step that runs (this one may schedule nothing).
         self._preempted_ids += scheduled.preempted_ids
         if scheduled.is_empty:
             return []
-        output = self.executor.execute(self._step_input(scheduled))  # raises WorkerError
-        results = {r.request_id: r for r in output.results}
+        step_input = self._step_input(scheduled)
+        results, failures = self._execute_isolating(step_input)
         changed = self.scheduler.update(scheduled, results)
-        outputs = []
+        outputs = [self._fail_one(request_id, error) for request_id, error in failures.items()]
         for request in changed:
             if request.is_finished:
                 self._finished_ids.append(request.request_id)
@@ -164,10 +167,45 @@ class LLMEngine:
             outputs.append(make_request_output(request))
         return outputs
 
+    def _execute_isolating(self, step: StepInput) -> tuple[dict[str, SeqResult], dict[str, str]]:
+        """Run the step; if its code raised on the ranks and every rank finished it and still
+        answers, re-run it in halves (the workers put each request's state back after a failed
+        step) until the requests that fail alone are found; a step that fails only with many
+        requests (memory) succeeds in parts the same way. -> (results by request id, error by
+        failed request id). Raises WorkerError when a rank died or hangs: then the whole engine
+        has failed. Cost: a step that fails for one request of n runs about 2 log2(n) times."""
+        try:
+            output = self.executor.execute(step)
+        except WorkerError as exc:
+            if not exc.step_raised:
+                raise  # a rank died or hangs: the engine's failure, not one request's
+            self.executor.check_health()
+            if len(step.seqs) == 1:
+                logger.warning("request %s failed alone: %s", step.seqs[0].request_id, exc)
+                return {}, {step.seqs[0].request_id: str(exc)}
+            half = len(step.seqs) // 2
+            results, failures = {}, {}
+            for seqs in (step.seqs[:half], step.seqs[half:]):
+                part = dataclasses.replace(step, seqs=seqs, finished_request_ids=[])
+                part_results, part_failures = self._execute_isolating(part)
+                results.update(part_results)
+                failures.update(part_failures)
+            return results, failures
+        return {r.request_id: r for r in output.results}, {}
+
+    def _fail_one(self, request_id: str, error: str) -> RequestOutput:
+        """Finish one request with finish_reason "error"; frees its blocks."""
+        request = self.scheduler.get(request_id)
+        self.scheduler.abort(request_id)
+        request.status = RequestStatus.FINISHED_ERROR
+        # The details (which may name actors and hosts) go to the log, not to the client.
+        request.error = "the request failed inside an engine step (the server log has why)"
+        self._finished_ids.append(request_id)
+        return make_request_output(request)
+
     def _step_input(self, scheduled: SchedulerOutput) -> StepInput:
         seqs = []
         for s in scheduled.scheduled:
-            p = s.request.sampling_params
             seqs.append(
                 SeqWork(
                     request_id=s.request_id,
@@ -176,7 +214,7 @@ class LLMEngine:
                     block_ids=list(s.request.block_ids),
                     num_draft_tokens=s.num_draft_tokens,
                     samples=s.samples,
-                    sampling=SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed, p.logprobs),
+                    sampling=self._sampling_spec(s.request),
                 )
             )
         finished, self._finished_ids = self._finished_ids, []
@@ -187,6 +225,26 @@ class LLMEngine:
             self.config.share_topk,
             finished,
             preempted_request_ids=preempted,
+        )
+
+    def _sampling_spec(self, request: Request) -> SamplingSpec:
+        p = request.sampling_params
+        if not p.has_logits_processors:
+            return SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed, p.logprobs)
+        masked = set(p.stop_token_ids) | (set() if p.ignore_eos else request.eos_token_ids)
+        return SamplingSpec(
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            p.seed,
+            p.logprobs,
+            logit_bias=tuple(sorted(p.logit_bias.items())),
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            min_tokens=p.min_tokens,
+            min_tokens_masked_ids=tuple(sorted(masked)),
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     def fail_all(self, error: str) -> list[RequestOutput]:

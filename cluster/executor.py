@@ -60,7 +60,15 @@ def worker_spec(config: EngineConfig):
 
 
 class WorkerError(RuntimeError):
-    """A rank died, hung past the step timeout, or raised."""
+    """A rank died, hung past the step timeout, or raised.
+
+    `step_raised`: the step's code raised on some rank and every rank has finished the step
+    (none died or hangs), so the workers are fine and the step may be re-run without a request
+    (`LLMEngine` isolates a failing request that way). False for anything else."""
+
+    def __init__(self, message: str, step_raised: bool = False):
+        super().__init__(message)
+        self.step_raised = step_raised
 
 
 class InProcessExecutor(Executor):
@@ -75,7 +83,7 @@ class InProcessExecutor(Executor):
         try:
             return self.worker.execute(step)
         except Exception as e:  # the engine turns this into per-request errors
-            raise WorkerError(f"step failed: {type(e).__name__}: {e}") from e
+            raise WorkerError(f"step failed: {type(e).__name__}: {e}", step_raised=True) from e
 
     def warm_up(self, num_draft_tokens: int, share_topk: bool) -> WarmUp:
         return self.worker.warm_up(num_draft_tokens, share_topk)

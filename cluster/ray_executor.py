@@ -29,12 +29,21 @@ import time
 
 from cluster.config import EngineConfig
 from cluster.executor import Executor, WorkerError, worker_spec
-from workers.batch import StepInput, StepOutput
+from workers.batch import StepFailure, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0  # placement, actor start, rendezvous, and loading the shard
 HEALTH_TIMEOUT_S = 10.0
+
+
+LOOPBACK = "127.0.0.1"
+# Ray's gRPC servers (GCS, raylet, object manager, core workers, agents) listen on every
+# interface whatever the node address (Ray 2.60, measured with `ss -ltnp`), so a local Ray
+# cannot be bound to loopback; Ray's token auth is what keeps other hosts from running code
+# here. Ray >= 2.59 turns it on for a new local cluster unless RAY_AUTH_MODE says otherwise
+# (its token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, made if missing), so a
+# Ray that mtpserve starts leaves RAY_AUTH_MODE alone (the test suite sets "disabled").
 
 
 def ensure_ray(config: EngineConfig) -> None:
@@ -43,7 +52,6 @@ def ensure_ray(config: EngineConfig) -> None:
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # The ranks plus room for the coordinator; a GPU box reports its GPUs itself.
     num_cpus = max(os.cpu_count() or 1, int(config.tp_size * config.actor_num_cpus) + 1)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
@@ -132,7 +140,7 @@ class RayExecutor(Executor):
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as step:
-            dag = MultiOutputNode([w.execute.bind(step) for w in self.workers])
+            dag = MultiOutputNode([w.execute_in_graph.bind(step) for w in self.workers])
         return dag.experimental_compile(_submit_timeout=self.config.step_timeout_s)
 
     def _placement_group(self, ray, placement_group, num_gpus: int):
@@ -200,13 +208,41 @@ class RayExecutor(Executor):
                     raise WorkerError(f"compiling the step graph failed: {e}") from e
             return self._execute_graph(step)
         refs = [w.execute.remote(step) for w in self.workers]
-        return self._get_all(refs, self.config.step_timeout_s)[0]
+        deadline = time.monotonic() + self.config.step_timeout_s
+        try:
+            return self._get_all(refs, self.config.step_timeout_s)[0]
+        except WorkerError as exc:
+            if self._all_raised_or_done(refs, deadline):
+                raise WorkerError(str(exc), step_raised=True) from exc
+            raise
+
+    def _all_raised_or_done(self, refs: list, deadline: float) -> bool:
+        """After a failed step: True when every rank finished it (returned or raised; none
+        died) before the deadline, so the ranks are idle and the step can be re-run."""
+        import ray
+
+        _, pending = ray.wait(
+            refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic())
+        )
+        if pending:
+            return False
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return False
+            except ray.exceptions.RayTaskError:
+                pass
+        return True
 
     def _execute_graph(self, step: StepInput) -> StepOutput:
+        """The ranks answer a failed step with a StepFailure rather than raising, so the graph's
+        result arrives only once every rank has finished the step: a failure in it is then one
+        the step can be re-run after (`step_raised`), like a raise on every rank by calls."""
         import ray
 
         try:
-            return ray.get(self._graph.execute(step), timeout=self.config.step_timeout_s)[0]
+            outputs = ray.get(self._graph.execute(step), timeout=self.config.step_timeout_s)
         except ray.exceptions.RayChannelTimeoutError as e:
             raise WorkerError(
                 f"a rank did not answer within {self.config.step_timeout_s:.0f}s: {e}"
@@ -217,6 +253,10 @@ class RayExecutor(Executor):
             raise WorkerError(f"a worker raised: {e}") from e
         except ray.exceptions.RayChannelError as e:  # a reader or writer went away
             raise WorkerError(f"the step channel failed: {e}") from e
+        failures = [out for out in outputs if isinstance(out, StepFailure)]
+        if failures:
+            raise WorkerError(f"a worker raised: {failures[0].error}", step_raised=True)
+        return outputs[0]
 
     def warm_up(self, num_draft_tokens: int, share_topk: bool):
         """Every rank at once (a capture's collectives need them all); then the step graph is

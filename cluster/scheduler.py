@@ -442,7 +442,8 @@ class Scheduler:
         after the stopping one are discarded. Sets `request.status` when it finishes.
 
         Order of checks per token: EOS (unless ignore_eos), stop_token_ids, max_tokens /
-        max_model_len, stop strings. EOS and stop-token ids are kept in `output_token_ids` but
+        max_model_len, stop strings (only past `min_tokens`; the worker masks EOS and stop
+        token ids before it). EOS and stop-token ids are kept in `output_token_ids` but
         their text is not added to `output_text`.
         """
         params = request.sampling_params
@@ -469,7 +470,11 @@ class Scheduler:
             ):
                 request.status = RequestStatus.FINISHED_LENGTH
                 return
-            if params.stop and len(request.output_text) > num_old_chars:
+            if (
+                params.stop
+                and len(request.output_text) > num_old_chars
+                and request.num_output_tokens >= params.min_tokens
+            ):
                 match = find_stop_string(
                     request.output_text,
                     params.stop,

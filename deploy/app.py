@@ -19,6 +19,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deploy.ingress import OpenAIIngress
+from deploy.limits import IngressLimits
 from deploy.model_server import ModelServer
 from deploy.prefix_router import DEFAULT_BLOCK_SIZE_TOKENS, PrefixAffinityRouter
 
@@ -56,6 +57,10 @@ class AppArgs(BaseModel):
     # Send a request to the replica that was sent the longest prefix of its tokens (its prefix
     # cache likely holds them): deploy/prefix_router.py. Off: Serve's power of two choices.
     prefix_aware_routing: bool = True
+    # What one HTTP request may take (deploy.limits.IngressLimits holds the defaults).
+    max_request_body_bytes: int = Field(IngressLimits.max_request_body_bytes, ge=1)
+    max_sequences_per_request: int = Field(IngressLimits.max_sequences_per_request, ge=1)
+    max_live_sequences_per_request: int = Field(IngressLimits.max_live_sequences_per_request, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     # Streamed chunks per second a model-server replica sends in all (a stream's chunks are
     # spaced by streams / this; 0: one chunk per engine step; None: 50 per core of the node, at
@@ -127,7 +132,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             logging_config={"enable_access_log": args.access_log},
             **scaling,
         )
-        return server.bind(engine_config_dict(args), args.stream_chunks_per_s)
+        return server.bind(engine_config_dict(args), args.stream_chunks_per_s, ingress_limits(args))
     routing: dict[str, Any] = {}
     if args.prefix_aware_routing:
         routing["request_router_config"] = RequestRouterConfig(
@@ -157,4 +162,14 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
         logging_config={"enable_access_log": args.access_log},
     )
-    return ingress.bind(model_server.bind(engine_config_dict(args), args.stream_chunks_per_s))
+    return ingress.bind(
+        model_server.bind(engine_config_dict(args), args.stream_chunks_per_s), ingress_limits(args)
+    )
+
+
+def ingress_limits(args: AppArgs) -> IngressLimits:
+    return IngressLimits(
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_live_sequences_per_request=args.max_live_sequences_per_request,
+    )

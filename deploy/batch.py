@@ -5,9 +5,11 @@ Run it on a cluster with
 
 Input: one JSON object per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages":
 [...]}` (the chat template applied, or DeepSeek-V3.2's own encoding for a checkpoint without one;
-`tools` and `chat_template_kwargs` as over HTTP), optionally with `max_tokens`, `temperature`,
-`top_p`, `top_k`, `seed`, `stop`, `ignore_eos`. A line without an id gets `line-<n>` (1-based).
-The output is the model's raw text (reasoning and DSML tool calls are not parsed here).
+`tools` and `chat_template_kwargs` as over HTTP), optionally with the sampling fields of
+`SAMPLING_FIELDS` (`logit_bias` maps token ids, as strings or integers, to biases). A line
+without an id gets `line-<n>` (1-based). Any other key makes the row an error, as does a bad
+value: each row is validated on its own and fails alone (a request that fails inside an engine
+step too). The output is the model's raw text (reasoning and DSML tool calls are not parsed here).
 
 Output: one JSON object per request, appended as each finishes:
 `{"id", "text", "completion_token_ids", "num_prompt_tokens", "finish_reason", "error": null}`, or
@@ -28,7 +30,22 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+)
+ROW_FIELDS = ("id", "prompt", "messages", "tools", "chat_template_kwargs", *SAMPLING_FIELDS)
 DEFAULT_MAX_TOKENS = 64
 
 
@@ -65,6 +82,10 @@ def read_requests(input_path: str) -> Iterator[tuple[str, dict[str, Any] | None,
                 yield fallback_id, None, f"line {line_number}: expected a JSON object"
                 continue
             request_id = str(request.get("id", fallback_id))
+            unknown = sorted(set(request) - set(ROW_FIELDS))
+            if unknown:
+                yield request_id, None, f"line {line_number}: unknown fields {unknown}"
+                continue
             if ("prompt" in request) == ("messages" in request):
                 yield request_id, None, f"line {line_number}: need exactly one of prompt/messages"
                 continue
@@ -98,6 +119,11 @@ def _prompt_token_ids(request: dict[str, Any], tokenizer) -> list[int]:
     raise ValueError("prompt must be a string or a list of token ids")
 
 
+def _token_keyed(bias: dict) -> dict:
+    """JSON object keys are strings: "42" -> 42 (validation refuses anything else)."""
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in bias.items()}
+
+
 class BatchRunner:
     def __init__(self, engine, output_path: str, concurrency: int):
         self._engine = engine
@@ -120,6 +146,8 @@ class BatchRunner:
         async with self._slots:
             try:
                 kwargs = {k: request[k] for k in SAMPLING_FIELDS if k in request}
+                if isinstance(kwargs.get("logit_bias"), dict):
+                    kwargs["logit_bias"] = _token_keyed(kwargs["logit_bias"])
                 kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
                 params = SamplingParams(**kwargs)
                 params.validate()
@@ -203,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     from cluster.async_engine import AsyncEngine
     from cluster.config import EngineConfig

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -96,7 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from workers.loader import CheckpointError
     from workers.model_config import ModelConfigError
 

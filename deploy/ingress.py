@@ -4,18 +4,29 @@ It validates bodies, tokenizes (chat template included), fans a request out into
 request per choice on the model-server deployment (streaming `DeploymentHandle` calls), and
 merges the streams back into OpenAI responses or server-sent events.
 
-The status is decided before the first byte: the ingress waits for every choice's first item, so
-an engine error (bad parameters, prompt longer than the context, queue full) becomes a 4xx/503
-with an OpenAI error body instead of a broken stream. When the HTTP client disconnects, Serve
-cancels this request and, through `_merge`'s `finally`, each engine call, and the model server
-aborts the engine requests (their KV blocks are freed).
+The status is decided before the first byte: the ingress waits for the first item of every
+choice it starts, so an engine error (bad parameters, prompt longer than the context, queue full)
+becomes a 4xx/503 with an OpenAI error body instead of a broken stream.
+
+No request may hurt another (`IngressLimits`): a body past `max_request_body_bytes` is a 413
+before it is read; tokenizing and chat templates run on one worker thread, never on the event
+loop, after a length check that needs no tokenizer; a request may ask for at most
+`max_sequences_per_request` choices (prompts x n; 400 beyond), and at most
+`max_live_sequences_per_request` of them are in the engine at once, the next starting as one
+finishes, so a huge fan-out shares the engine with everyone else instead of filling it.
+
+When the HTTP client disconnects, Serve cancels this request and, through `_merge`'s `finally`,
+each engine call, and the model server aborts the engine requests (their KV blocks are freed).
 """
 
 # No `from __future__ import annotations` here: Serve's class-based views rebuild the route
 # signatures, and FastAPI then sees string annotations it cannot resolve (bodies become queries).
 
 import asyncio
+import functools
+import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +38,7 @@ from transformers import AutoTokenizer
 
 from cluster.sampling_params import InvalidRequestError
 from deploy import openai_serving as serving
+from deploy.limits import BodySizeLimit, IngressLimits, max_chars_per_token
 from deploy.messages import GenerateChunk, GenerateFailure, GenerateRequest, ModelInfo
 from deploy.openai_protocol import (
     ChatChunkChoice,
@@ -50,9 +62,30 @@ from deploy.openai_protocol import (
     random_id,
 )
 
+logger = logging.getLogger("ray.serve")
+
 app = FastAPI(title="mtpserve", docs_url=None, redoc_url=None)
 
 _END = object()  # marks the end of one choice's stream inside `_merge`
+
+
+app.add_middleware(BodySizeLimit)
+
+_UNION_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+def _param_of(error: dict) -> str | None:
+    """An OpenAI `param` from a pydantic error: its location without "body" and without the
+    union-member tags pydantic inserts ("list[int]", "str"), then the validator's own param."""
+    location = [
+        str(part)
+        for part in error.get("loc", ())
+        if part != "body" and not (isinstance(part, str) and (part in _UNION_TAGS or "[" in part))
+    ]
+    own = (error.get("ctx") or {}).get("param")
+    if own and own != "body":
+        location.append(own)
+    return ".".join(location) or None
 
 
 def error_response(
@@ -91,11 +124,19 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
             "invalid_request_error",
             code="json_invalid",
         )
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    param = _param_of(first)
+    if first.get("type") == "extra_forbidden":
+        message = (
+            f"unknown field `{param}`: this server takes OpenAI's fields and the documented "
+            "extensions (see the README)"
+        )
+        return error_response(400, message, "invalid_request_error", param, "unknown_field")
+    message = str(first.get("msg", "invalid value"))
+    if (first.get("ctx") or {}).get("param"):  # our validators' messages name the field already
+        message = message.split(": ", 1)[-1]
     return error_response(
         400,
-        f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg")),
+        f"{param}: {message}" if param else message,
         "invalid_request_error",
         param=param,
         code="invalid_value",
@@ -116,22 +157,44 @@ def _failure_event(failure: GenerateFailure) -> str:
     return _sse(failure_body(failure).model_dump_json())
 
 
+def _is_number_or_numbers(value) -> bool:
+    if isinstance(value, list):
+        return all(_is_number_or_numbers(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+async def _first_item(stream):
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return GenerateFailure(500, "internal_error", "engine stream ended without output")
+    except Exception as exc:  # noqa: BLE001
+        return _failure_from_handle_error(exc)
+
+
 def _failure_from_handle_error(exc: BaseException) -> GenerateFailure:
-    """A call that failed in Serve itself (replica died, cancelled): not the client's fault."""
-    return GenerateFailure(503, "service_unavailable", f"model server failed: {exc}")
+    """A call that failed in Serve itself (replica died, cancelled): not the client's fault.
+    The exception (actor ids, node addresses) goes to the log, not to the client."""
+    logger.warning("model server call failed: %s", exc)
+    return GenerateFailure(503, "service_unavailable", "the model server is unavailable")
 
 
 @serve.ingress(app)  # here, at import: the replica must see the class-based routes it rewrites
 class OpenAIIngress:
     """Serve deployment class; `deploy.app.build_app` makes it a deployment."""
 
-    def __init__(self, model_server: DeploymentHandle):
+    def __init__(self, model_server: DeploymentHandle, limits: IngressLimits | None = None):
         self._model_server = model_server
         self._stream_server = model_server.options(stream=True)
+        self._limits = limits or IngressLimits()
+        app.state.max_body_bytes = self._limits.max_request_body_bytes
         self._info: ModelInfo | None = None
         self._tokenizer = None
         self._chat_format = serving.ChatFormat()
+        self._max_prompt_chars = 0
         self._ready_lock: asyncio.Lock | None = None
+        # One thread: tokenizers are not safe to share across threads, and the loop stays free.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def _ready(self) -> tuple[ModelInfo, object]:
         """The served model's name, context length and tokenizer, fetched once."""
@@ -147,8 +210,35 @@ class OpenAIIngress:
                     self._chat_format = serving.ChatFormat.for_checkpoint(
                         info.model_dir, self._tokenizer
                     )
+                    self._max_prompt_chars = info.max_model_len * max_chars_per_token(
+                        self._tokenizer
+                    )
                     self._info = info
         return self._info, self._tokenizer
+
+    async def _tokenize(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _check_sizes(self, texts: list[str], num_sequences: int, info: ModelInfo, param: str):
+        """400s that need no tokenizer: too many sequences, or text no context can hold."""
+        if num_sequences > self._limits.max_sequences_per_request:
+            return error_response(
+                400,
+                f"this request asks for {num_sequences} sequences (prompts x n); at most "
+                f"{self._limits.max_sequences_per_request} per request",
+                "invalid_request_error",
+                param="n",
+            )
+        num_chars = sum(len(t) for t in texts)
+        if num_chars > self._max_prompt_chars:
+            return error_response(
+                400,
+                f"the prompt has {num_chars} characters, more than {self._max_prompt_chars}, "
+                f"which cannot fit this model's context of {info.max_model_len} tokens",
+                "invalid_request_error",
+                param=param,
+            )
+        return None
 
     def _check_model(self, requested: str, info: ModelInfo) -> JSONResponse | None:
         if requested in (info.model_name, info.model_dir):
@@ -182,9 +272,13 @@ class OpenAIIngress:
         not_found = self._check_model(request.model, info) if request.model else None
         if not_found is not None:
             return not_found
+        texts = [request.prompt or ""] + [m.text() for m in request.messages or []]
+        refused = self._check_sizes(texts, 1, info, "prompt")
+        if refused is not None:
+            return refused
         if request.messages is not None:
             try:
-                text = self._chat_format.prompt_text(request, tokenizer)
+                text = await self._tokenize(self._chat_format.prompt_text, request, tokenizer)
             except InvalidRequestError as exc:
                 return error_response(400, exc.message, "invalid_request_error", exc.param)
             except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
@@ -195,7 +289,9 @@ class OpenAIIngress:
         else:
             text = request.prompt
             add_special_tokens = request.add_special_tokens is not False
-        tokens = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        tokens = await self._tokenize(
+            functools.partial(tokenizer.encode, add_special_tokens=add_special_tokens), text
+        )
         token_strs = tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(
             count=len(tokens),
@@ -217,18 +313,33 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
+        """Status and engine numbers only: why it is unhealthy (actor ids, node addresses,
+        tracebacks) goes to the log, never to whoever can reach the port."""
         try:
             stats = await self._model_server.probe.remote()
-        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
-            return error_response(503, f"unhealthy: {exc}", "service_unavailable")
-        return JSONResponse({"status": "ok", "engine": stats})
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            logger.warning("health probe failed", exc_info=True)
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        numbers = {k: v for k, v in stats.items() if _is_number_or_numbers(v)}
+        return JSONResponse({"status": "ok", "engine": numbers})
 
     @app.post("/v1/completions")
     async def completions(self, request: CompletionRequest):
         info, tokenizer = await self._ready()
         if (not_found := self._check_model(request.model, info)) is not None:
             return not_found
-        prompts = serving.completion_prompt_token_ids(request, tokenizer)
+        prompt = request.prompt
+        num_prompts = 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
+        refused = self._check_sizes(request.prompt_texts, num_prompts * request.n, info, "prompt")
+        if refused is not None:
+            return refused
+        try:
+            prompts = await self._tokenize(serving.completion_prompt_token_ids, request, tokenizer)
+        except Exception:  # noqa: BLE001 - what the tokenizer refuses is the prompt's fault
+            logger.info("tokenizing a prompt failed", exc_info=True)
+            return error_response(
+                400, "the prompt cannot be tokenized", "invalid_request_error", "prompt"
+            )
         started = await self._start("cmpl", serving.plan_completion, request, prompts, info)
         if isinstance(started, JSONResponse):
             return started
@@ -269,8 +380,14 @@ class OpenAIIngress:
         info, tokenizer = await self._ready()
         if (not_found := self._check_model(request.model, info)) is not None:
             return not_found
+        texts = [m.text() for m in request.messages]
+        refused = self._check_sizes(texts, request.n, info, "messages")
+        if refused is not None:
+            return refused
         try:
-            prompt_ids = serving.chat_prompt_token_ids(request, tokenizer, self._chat_format)
+            prompt_ids = await self._tokenize(
+                serving.chat_prompt_token_ids, request, tokenizer, self._chat_format
+            )
         except InvalidRequestError as exc:
             return error_response(400, exc.message, "invalid_request_error", exc.param)
         except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
@@ -329,32 +446,19 @@ class OpenAIIngress:
                 getattr(exc, "param", None),
             )
         request_id = random_id(id_prefix)
-        opened = await self._open(request_id, plans, bool(request.stream))
+        opened = await self._open(request_id, plans)
         if isinstance(opened, JSONResponse):
             return opened
         return request_id, plans, self._merge(*opened)
 
-    async def _open(self, request_id: str, plans: list[serving.ChoicePlan], stream: bool):
-        """Start one engine request per choice and wait for each one's first item."""
-        streams = [
-            self._stream_server.generate.remote(
-                GenerateRequest(
-                    f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.params, stream
-                )
-            )
-            for plan in plans
-        ]
-
-        async def first_item(stream):
-            try:
-                return await stream.__anext__()
-            except StopAsyncIteration:
-                return GenerateFailure(500, "internal_error", "engine stream ended without output")
-            except Exception as exc:  # noqa: BLE001
-                return _failure_from_handle_error(exc)
-
+    async def _open(self, request_id: str, plans: list[serving.ChoicePlan]):
+        """Start the first `max_live_sequences_per_request` choices and wait for each one's
+        first item: -> (request id, their streams, their first items, the choices still to
+        start), `_merge`'s arguments; or the error response when one of them failed."""
+        num_live = self._limits.max_live_sequences_per_request
+        streams = [self._start_choice(request_id, plan) for plan in plans[:num_live]]
         try:
-            firsts = await asyncio.gather(*(first_item(s) for s in streams))
+            firsts = await asyncio.gather(*(_first_item(s) for s in streams))
         except BaseException:
             for stream in streams:
                 stream.cancel()
@@ -364,16 +468,29 @@ class OpenAIIngress:
             for stream in streams:
                 stream.cancel()
             return failure_response(min(failures, key=lambda f: f.status_code))
-        return streams, firsts
+        return request_id, streams, firsts, plans[num_live:]
+
+    def _start_choice(self, request_id: str, plan: serving.ChoicePlan):
+        return self._stream_server.generate.remote(
+            GenerateRequest(
+                f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.params, plan.stream
+            )
+        )
 
     async def _merge(
-        self, streams, firsts
+        self, request_id, streams, firsts, later: list[serving.ChoicePlan]
     ) -> AsyncIterator[tuple[int, GenerateChunk | GenerateFailure]]:
-        """Interleave the choices' streams as items arrive: yields (choice index, item)."""
+        """Interleave the choices' streams as items arrive: yields (choice index, item). The
+        `later` choices start one by one, each when a live one finishes, in index order."""
         queue: asyncio.Queue = asyncio.Queue()
+        pending = list(reversed(later))
+        streams = list(streams)
+        tasks: list[asyncio.Task] = []
 
         async def pump(index: int, stream, first) -> None:
             try:
+                if first is None:
+                    first = await _first_item(stream)
                 await queue.put((index, first))
                 if not (isinstance(first, GenerateChunk) and first.finished):
                     async for item in stream:
@@ -385,16 +502,21 @@ class OpenAIIngress:
             finally:
                 queue.put_nowait((index, _END))
 
-        tasks = [
-            asyncio.create_task(pump(i, stream, first))
-            for i, (stream, first) in enumerate(zip(streams, firsts))
-        ]
-        remaining = len(tasks)
+        def launch(index: int, stream, first) -> None:
+            tasks.append(asyncio.create_task(pump(index, stream, first)))
+
+        for i, (stream, first) in enumerate(zip(streams, firsts)):
+            launch(i, stream, first)
+        remaining = len(tasks) + len(pending)
         try:
             while remaining:
                 index, item = await queue.get()
                 if item is _END:
                     remaining -= 1
+                    if pending:  # a live choice ended: the next one takes its place
+                        plan = pending.pop()
+                        streams.append(self._start_choice(request_id, plan))
+                        launch(plan.index, streams[-1], None)
                     continue
                 yield index, item
         finally:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 
+from cluster.ray_executor import LOOPBACK
 from deploy.app import AppArgs, build_app
 
 logger = logging.getLogger(__name__)
@@ -15,12 +15,16 @@ APP_NAME = "mtpserve"
 
 
 def start_local_ray(address: str = "local", num_cpus: int | None = None) -> None:
-    """`address="local"` always starts a fresh single-node Ray (never attaches to another)."""
-    # Ray 2.59+ turns on token auth for local clusters; mtpserve's local mode is loopback-only.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """`address="local"` always starts a fresh single-node Ray (never attaches to another),
+    with Ray's token auth on unless RAY_AUTH_MODE says otherwise (Ray's own servers listen on
+    every interface: see cluster.ray_executor) and its dashboard on loopback. Any other address
+    joins that cluster with its own auth."""
     import ray
 
-    ray.init(address=address, num_cpus=num_cpus if address == "local" else None)
+    if address != "local":
+        ray.init(address=address)
+        return
+    ray.init(address="local", num_cpus=num_cpus, dashboard_host=LOOPBACK)
 
 
 def deploy(args: AppArgs, host: str, port: int) -> str:

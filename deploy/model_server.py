@@ -30,7 +30,12 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-from cluster.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from cluster.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
 from cluster.config import EngineConfig
 from cluster.outputs import RequestOutput, join_outputs
 from cluster.sampling_params import InvalidRequestError
@@ -80,9 +85,14 @@ def failure_from_exception(exc: BaseException) -> GenerateFailure:
         return GenerateFailure(400, "invalid_request_error", message, getattr(exc, "param", None))
     if isinstance(exc, EngineOverloadedError):
         return GenerateFailure(503, "overloaded_error", str(exc) or "engine queue is full")
+    # Engine failures name actors, hosts and tracebacks: those go to the log, not to clients.
+    logger.warning("request failed: %s: %s", type(exc).__name__, exc)
     if isinstance(exc, EngineDeadError):
-        return GenerateFailure(503, "engine_dead_error", str(exc) or "engine workers died")
-    return GenerateFailure(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        message = "the engine's workers failed; it is being rebuilt, retry shortly"
+        return GenerateFailure(503, "engine_dead_error", message)
+    if isinstance(exc, RequestFailedError):
+        return GenerateFailure(500, "internal_error", str(exc))
+    return GenerateFailure(500, "internal_error", "internal error (the server log has why)")
 
 
 def engine_stats_dict(stats) -> dict:
@@ -155,7 +165,11 @@ class ModelServer:
             async for out in outputs:
                 if out.finished and out.finish_reason == "error":
                     finished = True
-                    yield GenerateFailure(503, "engine_dead_error", out.error or "engine failure")
+                    yield failure_from_exception(
+                        (EngineDeadError if self._engine.is_dead else RequestFailedError)(
+                            out.error or "engine failure"
+                        )
+                    )
                     return
                 # A stream's first output is sent at once (the ingress answers 200 on it).
                 first = next_chunk_s == 0.0 and request.stream
@@ -182,7 +196,12 @@ class ModelServer:
                 next_chunk_s = time.monotonic() + stream_interval_s(
                     self._num_streams, self._stream_chunks_per_s
                 )
-        except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
+        except (
+            InvalidRequestError,
+            EngineOverloadedError,
+            EngineDeadError,
+            RequestFailedError,
+        ) as exc:
             finished = True
             yield failure_from_exception(exc)
         except Exception as exc:  # report, don't crash the replica

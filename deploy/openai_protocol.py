@@ -1,21 +1,75 @@
 """OpenAI-shaped request and response bodies (the subset mtpserve serves).
 
-Requests accept unknown fields (`extra="allow"`) so clients sending extensions such as `top_k` or
-`ignore_eos` are not rejected; the ones the engine understands are forwarded (see `openai_serving`).
-Error bodies follow OpenAI: `{"error": {"message", "type", "param", "code"}}`.
+Every field of OpenAI's completions and chat-completions request schemas is either honored or
+refused with a 400 naming it; unknown fields are refused, as OpenAI's API does. Honored beyond
+sampling: `user`, `prompt_cache_key` and `safety_identifier` (identifiers that do not change
+the output), `tools` with `tool_choice` "auto" or "none" and `parallel_tool_calls`, assistant
+`tool_calls` / tool messages / `reasoning_content` in the history, `store: false`,
+`service_tier` "auto"/"default", `best_of` equal to `n`, an empty `suffix`, `response_format`
+{"type": "text"}, `modalities` ["text"], `function_call` "none". Everything else of OpenAI's
+that a model without images, audio or structured output cannot do is refused when set
+(`UNSUPPORTED`; `tool_choice` "required" or a named function, which need constrained decoding,
+are refused where the prompt is built). Documented extensions (vLLM's names): `top_k`,
+`ignore_eos`, `stop_token_ids`, `repetition_penalty`, `min_tokens`, and for chat
+`add_generation_prompt` and `chat_template_kwargs`.
+
+Types are strict: `max_tokens: "10"` or `true` is a 400, not 10 or 1; a number field takes
+integers and floats, never booleans or strings. Every string anywhere in a body must be
+encodable as UTF-8 (no lone surrogates such as "\ud800"), or the request is a 400 naming
+where. Error bodies follow OpenAI: `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from cluster.sampling_params import SEED_MAX, SEED_MIN
+
+# Strict scalars: no coercion from strings or booleans.
+Int = Annotated[int, Field(strict=True)]
+Float = Annotated[float, Field(strict=True)]  # integers are accepted, as in JSON
+Bool = Annotated[bool, Field(strict=True)]
+Str = Annotated[str, Field(strict=True)]
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def first_unencodable(value: Any, path: str = "") -> tuple[str, int] | None:
+    """(where, character index) of the first string in a decoded JSON value that UTF-8 cannot
+    encode (a lone surrogate), keys included; None if every string encodes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, exc.start
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = first_unencodable(key, path) or first_unencodable(
+                item, f"{path}.{key}" if path else str(key)
+            )
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := first_unencodable(item, f"{path}.{i}" if path else str(i)):
+                return found
+    return None
+
+
+def refuse(param: str, message: str) -> PydanticCustomError:
+    """A validation error whose OpenAI `param` is `param` (the ingress reads ctx["param"])."""
+    return PydanticCustomError("unsupported_value", "{param}: " + message, {"param": param})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,74 +91,175 @@ class ErrorResponse(BaseModel):
 # Requests
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-class _SamplingFields(BaseModel):
+class StreamOptions(_Strict):
+    include_usage: Bool = False
+    include_obfuscation: Bool | None = None  # OpenAI's; there is no obfuscation to turn off
+
+
+# Fields of OpenAI's request schemas that this server cannot honor, and the values that ask
+# for nothing (accepted). Anything else is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "audio": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "metadata": (None, {}),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "response_format": (None, {"type": "text"}),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "suffix": (None, ""),
+}
+
+
+class _Text(_Strict):
+    """A body whose every string must be encodable (no lone surrogates)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        found = first_unencodable(data)
+        if found is not None:
+            where, index = found
+            raise PydanticCustomError(
+                "unencodable_text",
+                "{param}: the text is not valid Unicode (a lone surrogate at index {index})",
+                {"param": where or "body", "index": index},
+            )
+        return data
+
+
+class _SamplingFields(_Text):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    n: int = Field(1, ge=1, le=128)
-    stream: bool = False
+    model: Str
+    n: Int = Field(1, ge=1, le=128)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    user: str | None = None
+    stop: Str | list[Str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    temperature: Float | None = Field(None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[Str, Float] | None = None  # token id (decimal string) -> [-100, 100]
+    user: Str | None = None
+    prompt_cache_key: Str | None = None
+    safety_identifier: Str | None = None
     # Extensions that OpenAI does not define but vLLM-style clients send.
-    top_k: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    top_k: Int | None = None
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    repetition_penalty: Float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: Int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _honored(self):
+        for name, accepted in UNSUPPORTED.items():
+            if name in type(self).model_fields and getattr(self, name) not in accepted:
+                raise refuse(name, "not supported by this server")
+        if self.logit_bias:
+            for key, bias in self.logit_bias.items():
+                if not key.isascii() or not key.isdigit():
+                    raise refuse("logit_bias", f"keys must be token ids, got {key!r}")
+                if not -100.0 <= bias <= 100.0:
+                    raise refuse("logit_bias", f"biases must be in [-100, 100], got {bias}")
+        return self
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def token_logit_bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)  # unset or null: OpenAI's default of 16
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    prompt: Str | list[Int] | list[Str] | list[list[Int]]
+    max_tokens: Int | None = Field(None, ge=1)  # unset or null: OpenAI's default of 16
+    logprobs: Int | None = Field(None, ge=0, le=20)
+    echo: Bool = False
+    best_of: Int | None = Field(None, ge=1)
+    suffix: Any = None
+
+    @model_validator(mode="after")
+    def _prompt_and_best_of(self):
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise refuse("prompt", "an empty list is no prompt")
+        if self.best_of is not None and self.best_of != self.n:
+            raise refuse("best_of", f"only best_of = n ({self.n}) is supported")
+        return self
+
+    @property
+    def prompt_texts(self) -> list[str]:
+        """The prompt's strings (empty for token-id prompts)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        return [p for p in self.prompt if isinstance(p, str)]
 
 
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # a JSON object, as text
+class FunctionCall(_Strict):
+    name: Str
+    arguments: Str  # a JSON object, as text
 
 
-class ToolCall(BaseModel):
-    id: str | None = None  # always set in responses
+class ToolCall(_Strict):
+    id: Str | None = None  # always set in responses
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionDefinition(BaseModel):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+class FunctionDefinition(_Strict):
+    name: Str
+    description: Str | None = None
+    parameters: dict[Str, Any] | None = None
+    strict: Bool | None = None
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(_Strict):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+class ChatMessage(_Strict):
+    """A text message, or an assistant's tool calls and a tool's answer to one. `developer` is
+    the newer name of `system` and is rendered as one; the null fields that clients echo back
+    from an assistant reply are accepted."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[dict[Str, Any]] | None = None
+    name: None = None
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls, kept in the history
-    tool_call_id: str | None = None  # a tool message's answer to that call
-    reasoning_content: str | None = None  # an assistant's reasoning (thinking mode)
+    tool_call_id: Str | None = None  # a tool message's answer to that call
+    reasoning_content: Str | None = None  # an assistant's reasoning (thinking mode)
+    annotations: list | None = Field(None, max_length=0)
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.role == "developer":
+            self.role = "system"
+        if self.tool_calls and self.role != "assistant":
+            raise refuse("tool_calls", "only an assistant message makes tool calls")
+        for i, part in enumerate(self.content if isinstance(self.content, list) else []):
+            kind = part.get("type")
+            if kind != "text":
+                raise refuse(
+                    f"content.{i}.type", f"only text content parts are served, got {kind!r}"
+                )
+            if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+                raise refuse(f"content.{i}", 'a text part is {"type": "text", "text": "..."}')
+        return self
 
     def text(self) -> str:
         """The message's text; content parts of type "text" are concatenated."""
@@ -112,25 +267,37 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return "".join(p["text"] for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: Bool = True
     # Tools: "auto" (the default with tools) and "none"; the others wait for constrained decoding.
     tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[Str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
     # Keyword arguments of the chat template; {"thinking": true} turns on thinking mode.
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[Str, Any] | None = None
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    metadata: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    response_format: Any = None
+    service_tier: Any = None
+    store: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Text):
     """vLLM's /tokenize: a `prompt`, or chat `messages` rendered as /v1/chat/completions does."""
 
     model: str | None = None
@@ -157,7 +324,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
 

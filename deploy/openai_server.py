@@ -17,6 +17,7 @@ import inspect
 from collections.abc import AsyncIterator
 
 from deploy.ingress import OpenAIIngress
+from deploy.limits import IngressLimits
 from deploy.model_server import ModelServer
 
 
@@ -79,10 +80,15 @@ class InProcessHandle:
 class OpenAIServer(OpenAIIngress):
     """Serve deployment class for `AppArgs.colocate`: the ingress plus its own engine."""
 
-    async def __init__(self, engine_config: dict, stream_chunks_per_s: float | None = None):
+    async def __init__(
+        self,
+        engine_config: dict,
+        stream_chunks_per_s: float | None = None,
+        limits: IngressLimits | None = None,
+    ):
         # Seconds of loading and warm-up: off the event loop, which Serve already runs.
         self._server = await asyncio.to_thread(ModelServer, engine_config, stream_chunks_per_s)
-        await super().__init__(InProcessHandle(self._server))
+        await super().__init__(InProcessHandle(self._server), limits)
 
     async def check_health(self) -> None:
         await self._server.check_health()

@@ -2,7 +2,8 @@
 
 No HTTP and no Ray here: the ingress calls these functions, and they are plain enough to test
 directly. `n` > 1 and batched completion prompts become one engine request per choice; choice
-`i` of a seeded request gets seed `seed + i` so choices differ yet reproduce.
+`i` of a seeded request gets seed `seed + i` (wrapped into int64: `choice_seed`) so choices
+differ yet reproduce.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from cluster.sampling_params import InvalidRequestError, SamplingParams
+from cluster.sampling_params import InvalidRequestError, SamplingParams, choice_seed
 from deploy.chat_dsv32 import encode_messages
 from deploy.dsml_parser import DSMLParser, merged_tool_calls
 from deploy.messages import GenerateChunk
@@ -42,6 +43,7 @@ class ChoicePlan:
     prompt_index: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    stream: bool = True  # False: the model server sends the completion as one chunk
 
 
 @dataclasses.dataclass
@@ -240,7 +242,14 @@ def sampling_params(
     if request.top_k is not None:
         kwargs["top_k"] = request.top_k
     if request.seed is not None:
-        kwargs["seed"] = request.seed + choice_index
+        kwargs["seed"] = choice_seed(request.seed, choice_index)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if (value := getattr(request, name)) is not None:
+            kwargs[name] = value
+    if request.logit_bias:
+        kwargs["logit_bias"] = request.token_logit_bias()
+    if request.min_tokens:
+        kwargs["min_tokens"] = request.min_tokens
     if request.stop:
         kwargs["stop"] = request.stop_list()
     if request.stop_token_ids:
@@ -278,7 +287,9 @@ def plan_completion(
             params = sampling_params(
                 request, max_tokens=max_tokens, num_logprobs=request.logprobs, choice_index=i
             )
-            plans.append(ChoicePlan(len(plans), prompt_index, prompt_ids, params))
+            plans.append(
+                ChoicePlan(len(plans), prompt_index, prompt_ids, params, bool(request.stream))
+            )
     return plans
 
 
@@ -300,6 +311,7 @@ def plan_chat(
             sampling_params(
                 request, max_tokens=max_tokens, num_logprobs=num_logprobs, choice_index=i
             ),
+            bool(request.stream),
         )
         for i in range(request.n)
     ]

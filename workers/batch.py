@@ -18,10 +18,28 @@ class SamplingSpec:
     top_k: int = 0  # 0 => off
     seed: int | None = None
     num_logprobs: int | None = None  # None => no logprobs
+    # Logits processors (workers.logits_processors), applied before temperature/top-k/top-p.
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens; 1 => off
+    min_tokens: int = 0  # `min_tokens_masked_ids` are masked until the output is this long
+    min_tokens_masked_ids: tuple[int, ...] = ()  # EOS (unless ignored) and stop token ids
+    num_prompt_tokens: int = 0  # where the output starts (penalties count output tokens)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def has_logits_processors(self) -> bool:
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+        )
 
 
 @dataclass
@@ -70,3 +88,12 @@ class SeqResult:
 @dataclass
 class StepOutput:
     results: list[SeqResult]
+
+
+@dataclass
+class StepFailure:
+    """A rank's answer to a step whose code raised there, where raising is not an option: in a
+    Ray Compiled Graph a raise reaches the driver before the other ranks have finished the step
+    (cluster/ray_executor.py)."""
+
+    error: str  # "ExceptionType: message"

@@ -19,6 +19,12 @@ import torch
 from workers.batch import SamplingSpec
 
 
+def generator_seed(seed: int) -> int:
+    """What a request's torch.Generator is seeded with: the seed modulo 2**64, the range
+    `manual_seed` accepts (so no seed can fail a step there)."""
+    return seed % 2**64
+
+
 def processed_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     """[N, V] fp32 logits -> the distribution sampling draws from (temperature, top-k, top-p)."""
     logits = logits.float() / spec.temperature

@@ -172,7 +172,16 @@ class Worker:
         return int(blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self.runner.execute(step)
+        """Run one step. If it raises, the per-request state of its requests (seeded random
+        streams, pending hidden states) is put back as it was before, and state made by this step
+        is dropped: the engine may re-run the step without a failing request, and the others
+        then compute and draw exactly what they would have."""
+        saved = self.runner.checkpoint(step)
+        try:
+            return self.runner.execute(step)
+        except BaseException:
+            self.runner.restore(step, saved)
+            raise
 
     def warm_up(self, num_draft_tokens: int, share_topk: bool) -> WarmUp:
         """Compile and capture now, before the engine reports ready, what the first requests

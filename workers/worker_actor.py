@@ -6,6 +6,7 @@ The executor drives the ranks through this lifecycle (each a remote call):
   load()                build this rank's shard of the model and its KV cache
   warm_up(k, share)     every rank at once: capture the CUDA graphs before the engine is ready
   execute(step)         every step, SPMD on all ranks; only rank 0 returns the StepOutput
+  execute_in_graph(s)   the same inside the compiled step graph, a failure returned as StepFailure
   ping()                health
 
 This module does not import Ray: the executor wraps the class with `ray.remote(...).options(...)`,
@@ -18,7 +19,7 @@ import logging
 import os
 
 from parallel.distributed import destroy_distributed, init_distributed, open_store
-from workers.batch import StepInput, StepOutput
+from workers.batch import StepFailure, StepInput, StepOutput
 from workers.worker import WarmUp, Worker, WorkerSpec, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,14 @@ class WorkerActor:
     def execute(self, step: StepInput) -> StepOutput | None:
         output = self.worker.execute(step)
         return output if self.rank == 0 else None
+
+    def execute_in_graph(self, step: StepInput) -> StepOutput | StepFailure | None:
+        """`execute` for the compiled step graph: a failure is an answer, not a raise."""
+        try:
+            return self.execute(step)
+        except Exception as e:  # the driver decides (WorkerError with step_raised)
+            logger.exception("step failed on rank %d", self.rank)
+            return StepFailure(f"{type(e).__name__}: {e}")
 
     def ping(self) -> int:
         return os.getpid()

@@ -95,7 +95,13 @@ def test_failed_step_errors_every_request_then_restart_serves(engine, monkeypatc
     def broken(step):
         raise WorkerError("rank 0 died")
 
+    def unreachable():
+        raise WorkerError("rank 0 does not answer")
+
+    # A dead rank fails the step and the health probe (a step failing while every rank answers
+    # fails only its request: tests/cluster/test_request_isolation.py).
     monkeypatch.setattr(engine.engine.executor, "execute", broken)
+    monkeypatch.setattr(engine.engine.executor, "check_health", unreachable)
     with pytest.raises(EngineDeadError):
         asyncio.run(_collect(engine, PROMPT, _greedy(4)))
     with pytest.raises(EngineDeadError):  # dead until restarted

@@ -281,6 +281,21 @@ def test_stop_string_spanning_tokens_cuts_text() -> None:
     assert r.output_token_ids == [0, 1, 2, 3, 4]
 
 
+def test_stop_strings_are_unchecked_before_min_tokens() -> None:
+    """min_tokens = 4: "cd" completed by output token 2 does not stop; from token 4 on the
+    (new) text is checked again, so the next "cd" (tokens 5 and 6) stops it there."""
+    sched = make_scheduler()
+    r = make_request("r", 3, arrival=0.0, max_tokens=20, stop=["cd"], min_tokens=4)
+    sched.add(r)
+    for token in (2, 3, 0, 0):  # "cdaa": the "cd" came before min_tokens
+        step(sched, {"r": [token]})
+    assert r.status is RequestStatus.RUNNING and r.output_text == "cdaa"
+    for token in (2, 3):  # "cdaacd"
+        step(sched, {"r": [token]})
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.output_text == "cdaa"
+    assert r.output_token_ids == [2, 3, 0, 0, 2, 3]
+
+
 def test_draft_rollback_frees_blocks() -> None:
     sched = make_scheduler(num_draft_tokens=5, block_size_tokens=2, num_blocks=33, max_model_len=32)
     bm = sched.block_manager

@@ -5,6 +5,10 @@ none of its Ray processes left behind.
 Its Ray is kept apart from the test session's: `RAY_TMPDIR` gives it its own temp root, so every
 process of that Ray carries the root in its command line and can be found (and, on failure,
 stopped) without touching any other Ray on the machine.
+
+Security of the local mode: with `RAY_AUTH_MODE` unset (and no token anywhere) the CLI's Ray
+runs with token auth, so a client without the token is refused by its GCS, which listens on
+every interface; the HTTP API listens on loopback only.
 """
 
 from __future__ import annotations
@@ -45,8 +49,11 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
 
     ray_root = tempfile.mkdtemp(prefix="mtpserve-cli-", dir="/tmp")  # short: unix socket paths
     log_path = tmp_path / "serve.log"
-    env = {**os.environ, "RAY_TMPDIR": ray_root, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
+    home = tmp_path / "home"  # no ~/.ray/auth_token: the CLI must make its own token
+    home.mkdir()
+    env = {**os.environ, "RAY_TMPDIR": ray_root, "HOME": str(home)}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
     port = free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen(
@@ -82,6 +89,9 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
         assert completion.usage.prompt_tokens == len(reference.prompt_token_ids)
 
         assert processes_under(ray_root), "the CLI's Ray should be running under its own root"
+        assert _listen_addresses(port) == {"127.0.0.1"}
+        refused = _connect_without_token(_gcs_port(ray_root), env)
+        assert refused.returncode != 0 and "token" in refused.stderr.lower(), refused
         server.send_signal(signal.SIGINT)  # what Ctrl-C sends
         returncode = server.wait(timeout=60)
         output = log_path.read_text(errors="replace")
@@ -97,3 +107,39 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
         kill_processes_under(ray_root)  # only this test's Ray, found by its temp root
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """The local addresses something listens on at TCP `port`."""
+    lines = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
+    found = set()
+    for line in lines.splitlines():
+        address, _, listen_port = line.split()[3].rpartition(":")
+        if listen_port == str(port):
+            found.add(address.strip("[]"))
+    return found
+
+
+def _gcs_port(ray_root: str) -> int:
+    """The port the GCS of the Ray under `ray_root` listens on (chosen at start)."""
+    [pid] = [pid for pid, cmdline in processes_under(ray_root) if "gcs_server " in cmdline]
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    ports = [
+        line.split()[3].rpartition(":")[2] for line in lines.splitlines() if f"pid={pid}," in line
+    ]
+    assert ports, f"the GCS (pid {pid}) listens on nothing"
+    return int(ports[0])
+
+
+def _connect_without_token(gcs_port: int, env: dict) -> subprocess.CompletedProcess:
+    """A Ray client with auth off and no token trying to join the CLI's cluster."""
+    import sys
+
+    code = f"import ray; ray.init(address='127.0.0.1:{gcs_port}'); print(ray.cluster_resources())"
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "RAY_AUTH_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )

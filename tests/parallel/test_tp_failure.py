@@ -96,3 +96,50 @@ def test_hung_rank_is_an_error_within_the_timeout(ray_local, tiny_model_dir, pro
         assert time.monotonic() - started < 5.0 + 5.0
     finally:
         engine.shutdown()
+
+
+BAD_SEED = 666
+
+
+def _fail_seed(actor, seed: int) -> None:
+    """On this rank, sampling raises for requests seeded `seed` (every rank alike)."""
+    import workers.model_runner as runner_module
+
+    real = runner_module.verify_and_sample
+
+    def faulty(logits, drafts, spec, generator, argmax=None):
+        if spec.seed == seed:
+            raise RuntimeError("injected failure")
+        return real(logits, drafts, spec, generator, argmax)
+
+    runner_module.verify_and_sample = faulty
+
+
+def test_request_failing_on_every_rank_fails_alone(ray_local, tiny_model_dir, prompts):
+    """TP=2 over Ray: a step whose code raises on the ranks (all finish it) is re-run without
+    the failing request; the others get the tokens they get without it; the engine lives."""
+    from cluster.engine import LLMEngine
+    from cluster.sampling_params import SamplingParams
+
+    ray = ray_local
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    engine = LLMEngine(_config(tiny_model_dir))
+
+    def run(requests):
+        ids = [engine.add_request(p, params) for p, params in requests]
+        final = {}
+        while engine.has_unfinished:
+            final.update({o.request_id: o for o in engine.step() if o.finished})
+        return [final[i] for i in ids]
+
+    try:
+        good = [(p, greedy_params()) for p in prompts[:2]]
+        reference = [o.token_ids for o in run(good)]
+        ray.get([w.run.remote(_fail_seed, BAD_SEED) for w in engine.executor.workers])
+        bad = SamplingParams(max_tokens=8, temperature=1.0, seed=BAD_SEED, ignore_eos=True)
+        outs = run(good[:1] + [(prompts[2], bad)] + good[1:])
+        assert outs[1].finish_reason == "error"
+        assert [outs[0].token_ids, outs[2].token_ids] == reference
+        assert [o.token_ids for o in run(good)] == reference  # still serving
+    finally:
+        engine.shutdown()

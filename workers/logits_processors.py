@@ -1,0 +1,83 @@
+"""Logits processors: OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty`, and
+the `repetition_penalty` and `min_tokens` extensions.
+
+They turn the target's logits into the logits sampling sees, before temperature, top-k and
+top-p (`workers.sampler.processed_probs`), in this order: repetition penalty (CTRL: a token seen
+in the prompt or the output has a positive logit divided by r, a negative one multiplied by r),
+presence and frequency penalties (OpenAI: `logit -= presence * [count > 0] + frequency *
+count` over output tokens), the logit bias (added), then `min_tokens` (EOS and stop token ids
+masked while the output is shorter).
+
+Exact with MTP: row j of a verify is the target's prediction after draft j - 1, so its context
+is the request's confirmed tokens followed by `drafts[:j]`, and row j's processors count those
+drafts as already emitted. Each row's processed distribution is then exactly the one decoding
+without MTP samples from at that position, had the drafts before it been emitted; acceptance
+runs on it (greedy: argmax of the processed row; sampling: rejection sampling against it), so
+greedy output with processors is the same with MTP as without, and sampled output keeps its
+distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.batch import SamplingSpec
+
+
+def process_logits(
+    logits: torch.Tensor,  # [num_drafts + 1, V]
+    spec: SamplingSpec,
+    context_token_ids: list[int],  # prompt then output, up to row 0's prediction
+    draft_token_ids: list[int],
+) -> torch.Tensor:
+    """-> fp32 logits [num_drafts + 1, V] after the request's processors."""
+    num_rows, vocab = logits.shape
+    out = logits.float().clone()
+    device = out.device
+    num_prompt = spec.num_prompt_tokens
+    num_output = len(context_token_ids) - num_prompt
+    if spec.repetition_penalty != 1.0 or spec.presence_penalty or spec.frequency_penalty:
+        counts = _output_counts(context_token_ids[num_prompt:], draft_token_ids, num_rows, vocab)
+        counts = counts.to(device)  # [num_rows, V]
+        if spec.repetition_penalty != 1.0:
+            seen = counts > 0
+            if num_prompt:
+                prompt_ids = torch.tensor(context_token_ids[:num_prompt], device=device)
+                seen[:, prompt_ids] = True
+            r = spec.repetition_penalty
+            out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        if spec.presence_penalty:
+            out -= spec.presence_penalty * (counts > 0).float()
+        if spec.frequency_penalty:
+            out -= spec.frequency_penalty * counts
+    if spec.logit_bias:
+        ids = torch.tensor([t for t, _ in spec.logit_bias], device=device)
+        bias = torch.tensor([b for _, b in spec.logit_bias], dtype=out.dtype, device=device)
+        out[:, ids] += bias  # ids are distinct (a dict's keys)
+    # Row j samples output token num_output + j + 1: masked while fewer than min_tokens precede.
+    num_masked_rows = min(max(spec.min_tokens - num_output, 0), num_rows)
+    if num_masked_rows and spec.min_tokens_masked_ids:
+        masked = torch.tensor(spec.min_tokens_masked_ids, device=device)
+        out[:num_masked_rows, masked] = float("-inf")
+    return out
+
+
+def _output_counts(
+    output_token_ids: list[int], draft_token_ids: list[int], num_rows: int, vocab: int
+) -> torch.Tensor:
+    """[num_rows, V] float: row j counts the output so far plus `draft_token_ids[:j]`."""
+    counts = torch.zeros(num_rows, vocab)
+    if output_token_ids:
+        counts += torch.bincount(torch.tensor(output_token_ids), minlength=vocab).float()
+    for j, draft in enumerate(draft_token_ids[: num_rows - 1]):
+        counts[j + 1 :, draft] += 1
+    return counts
+
+
+def record_step_tokens(token_ids: list[int], start_position: int, step_token_ids: list[int]):
+    """Keep a request's token history on the worker: `token_ids[:start_position]` is confirmed
+    (the scheduler only advances past verified tokens), anything after it was a rejected draft
+    or is recomputed now, so the history becomes that prefix plus this step's tokens (its drafts
+    last). A preemption's recompute (start 0) rebuilds it whole. In place."""
+    del token_ids[start_position:]
+    token_ids.extend(step_token_ids)
