@@ -7,6 +7,53 @@ or pick experts from groups that do not hold them. Each error names the fields a
 
 from __future__ import annotations
 
+# DeepSeek-V3.2's published config.json (the fields a model is built from; its FP8 weights are
+# described by `quantization_config`), for plans and for benchmarks at the real dimensions.
+DEEPSEEK_V32 = dict(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=64,
+    num_nextn_predict_layers=1,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+)
+DEEPSEEK_V32_QUANTIZATION = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
 
 class ModelConfigError(ValueError):
     pass

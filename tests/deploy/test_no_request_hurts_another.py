@@ -156,8 +156,25 @@ REFUSED = [
     ("completions", {"presence_penalty": 3}, "presence_penalty"),
     ("completions", {"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ("completions", {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    (  # forcing a call needs constrained decoding; "auto" and "none" are served
+        "chat/completions",
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+        "tool_choice",
+    ),
+    ("chat/completions", {"tools": [{"type": "function"}]}, "tools.0.function"),
+    (
+        "chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "hi",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        },
+        "messages.0.tool_calls",
+    ),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"logprobs": "yes"}, "logprobs"),
     (
@@ -180,7 +197,8 @@ ACCEPTED = [
             "response_format": {"type": "text"},
             "store": False,
             "parallel_tool_calls": False,
-            "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tool_choice": "auto",
             "messages": [
                 {"role": "developer", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi"}]},

@@ -14,51 +14,7 @@ from tests.workers.test_loader import _quantize_checkpoint, _rewrite
 from workers.kv_cache import allocate_kv_caches
 from workers.loader import load_model
 from workers.memory_plan import plan_memory
-
-# DeepSeek-V3.2's published config.json, with its FP8 quantization_config.
-DEEPSEEK_V32 = dict(
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    num_attention_heads=128,
-    num_key_value_heads=128,
-    n_shared_experts=1,
-    n_routed_experts=256,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=512,
-    q_lora_rank=1536,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    qk_nope_head_dim=128,
-    n_group=8,
-    topk_group=4,
-    num_experts_per_tok=8,
-    first_k_dense_replace=3,
-    norm_topk_prob=True,
-    max_position_embeddings=163840,
-    index_topk=2048,
-    index_head_dim=128,
-    index_n_heads=64,
-    num_nextn_predict_layers=1,
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 40.0,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
-)
-FP8_QUANT = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "weight_block_size": [128, 128],
-}
+from workers.model_config import DEEPSEEK_V32, DEEPSEEK_V32_QUANTIZATION
 
 
 def test_plan_counts_what_the_loaded_model_holds(tiny_model_dir, tmp_path):
@@ -76,7 +32,7 @@ def test_plan_counts_what_the_loaded_model_holds(tiny_model_dir, tmp_path):
 
 def test_deepseek_v32_at_tp8_ep8_from_config_alone(tmp_path):
     config = DeepseekV32Config(**DEEPSEEK_V32).to_dict()
-    config["quantization_config"] = FP8_QUANT
+    config["quantization_config"] = DEEPSEEK_V32_QUANTIZATION
     (tmp_path / "config.json").write_text(json.dumps(config))
     done = subprocess.run(
         [MTPSERVE, "plan", "--model", str(tmp_path), "--tp", "8", "--ep", "8", "--json"],
