@@ -108,3 +108,39 @@ def test_graph_transport_killed_rank_is_an_error(ray_local, tiny_model_dir, prom
         assert time.monotonic() - started < STEP_TIMEOUT_S + 5.0
     finally:
         engine.shutdown()
+
+
+def _fail_requests_named_bad(actor) -> None:
+    execute = actor.worker.execute
+
+    def failing(step):
+        if any(s.request_id.startswith("bad") for s in step.seqs):
+            raise ValueError("this request breaks the step")
+        return execute(step)
+
+    actor.worker.execute = failing
+
+
+def test_graph_transport_isolates_a_failing_request(ray_local, tiny_model_dir, prompts, tp1_tokens):
+    """Every rank answers the failed step with a StepFailure: the engine re-runs the step
+    without the failing request, which alone ends in an error, and the graph serves on."""
+    from cluster.engine import LLMEngine
+
+    ray = ray_local
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    engine = LLMEngine(_config(tiny_model_dir, num_draft_tokens=0, ep_size=1))
+    try:
+        ray.get([w.run.remote(_fail_requests_named_bad) for w in engine.executor.workers])
+        engine.add_request(prompts[0], greedy_params(), "good")
+        engine.add_request(prompts[1], greedy_params(), "bad")
+        final = {}
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        assert final["bad"].finish_reason == "error"
+        assert final["good"].finish_reason == "length"
+        assert final["good"].token_ids == tp1_tokens[0]
+        engine.executor.check_health()
+    finally:
+        engine.shutdown()
