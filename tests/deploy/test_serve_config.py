@@ -123,14 +123,19 @@ def test_serve_autoscaling_adds_a_replica_under_load_and_removes_it(deployed_cpu
             "ignore_eos": True,
             "stream": True,
         }
+        # Load until stopped: a stream that finishes its tokens (the serving path is fast enough
+        # for that on a quiet box) is followed by another, so the load ends when the test says.
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-                assert response.status_code == 200, response.read()
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        streams_served.add(index)
-                    if stop.is_set():
-                        return  # closing the stream cancels the request
+            while not stop.is_set():
+                with httpx.stream(
+                    "POST", f"{url}/v1/completions", json=body, timeout=60
+                ) as response:
+                    assert response.status_code == 200, response.read()
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            streams_served.add(index)
+                        if stop.is_set():
+                            return  # closing the stream cancels the request
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             errors.append(exc)
 
