@@ -30,6 +30,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from deploy.engine_args import add_engine_args, engine_options
+
 SAMPLING_FIELDS = (
     "max_tokens",
     "temperature",
@@ -219,18 +221,23 @@ def _terminate_torn_line(output_path: str) -> None:
             f.write(b"\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deploy.batch", description=__doc__)
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--model", default=None, help="checkpoint dir (default: default model)")
+    parser.add_argument("--input", required=True, help="JSONL of requests, one per line")
+    parser.add_argument("--output", required=True, help="JSONL of results (resumed if it exists)")
+    add_engine_args(parser)
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--num-draft-tokens", type=int, default=0)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        options = engine_options(args)
+    except ValueError as e:
+        parser.error(str(e))
 
     from cluster.async_engine import AsyncEngine
     from cluster.config import EngineConfig
@@ -240,14 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         from workers.default_model import default_model_path
 
         model = default_model_path()
-    config = EngineConfig(
-        model=model,
-        tp_size=args.tp,
-        ep_size=args.ep,
-        num_draft_tokens=args.num_draft_tokens,
-        device=args.device,
-        max_queued_requests=max(256, args.concurrency),
-    )
+    config = EngineConfig(model=model, max_queued_requests=max(256, args.concurrency), **options)
 
     async def run() -> BatchRunner:
         engine = AsyncEngine(config)

@@ -1,7 +1,9 @@
 """`mtpserve` command line: argument parsing only; the work is in the modules it calls.
 
-mtpserve serve [--model DIR] [--host H] [--port P] [--tp N] [--ep N] [--num-draft-tokens K]
+mtpserve serve [--model DIR] [--host H] [--port P] [--tensor-parallel-size N]
+    [--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'] ...
 mtpserve generate [--model DIR] --prompt TEXT [--max-tokens N] [--json] ...
+mtpserve plan [--model DIR] [--tp N] [--ep N] [--json]
 mtpserve make-tiny-model DIR [--seed N]
 """
 
@@ -11,55 +13,54 @@ import argparse
 import json
 import sys
 
+from deploy.engine_args import add_engine_args, engine_options
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="checkpoint directory (default: the project's default model)"
-    )
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --tp)")
-    parser.add_argument(
-        "--num-draft-tokens", type=int, default=0, help="MTP draft length k (0 = speculation off)"
-    )
-    parser.add_argument(
-        "--share-topk",
-        action="store_true",
-        help="draft steps 1..k-1 reuse draft step 0's top-k indices",
-    )
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of full 64-token blocks an earlier prompt computed (default: on)",
-    )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument(
-        "--indexer-numerics",
-        default="exact",
-        choices=["exact", "fp8"],
-        help="exact indexer scores (transformers') or FP8 after a Hadamard rotation (DeepSeek's)",
-    )
+# Engine options that AppArgs takes as its own fields rather than in its `engine` dict.
+APP_ENGINE_FIELDS = ("tp_size", "ep_size", "num_draft_tokens", "share_topk", "device")
+
+
+class EngineArgsError(ValueError):
+    pass
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    try:
+        return engine_options(args)
+    except ValueError as e:
+        raise EngineArgsError(str(e)) from None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mtpserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtpserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"mtpserve {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="serve the OpenAI API on a local Ray")
-    _add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
+    serve.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
     serve.add_argument(
         "--address", default="local", help='Ray address; "local" starts a fresh local Ray (default)'
     )
     serve.add_argument(
         "--served-model-name", default=None, help="model id of the API (default: from --model)"
     )
-    serve.add_argument("--max-num-seqs", type=int, default=None)
-    serve.add_argument("--max-model-len", type=int, default=None)
     # Fractions so that a TP=2 engine, its coordinator and the ingress fit a 2-core laptop.
-    serve.add_argument("--actor-num-cpus", type=float, default=0.5)
-    serve.add_argument("--replica-num-cpus", type=float, default=0.5)
+    serve.add_argument(
+        "--actor-num-cpus", type=float, default=0.5, help="CPU request of each worker actor"
+    )
+    serve.add_argument(
+        "--replica-num-cpus", type=float, default=0.5, help="CPU request of the model server"
+    )
     serve.add_argument(
         "--colocate",
         action="store_true",
@@ -67,11 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     generate = commands.add_parser("generate", help="one offline completion (no HTTP)")
-    _add_engine_args(generate)
-    generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-tokens", type=int, default=32)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--seed", type=int, default=None)
+    add_engine_args(generate)
+    generate.add_argument("--prompt", required=True, help="the text to complete")
+    generate.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    generate.add_argument("--seed", type=int, default=None, help="the sampler's seed")
     generate.add_argument("--json", action="store_true", help="print one JSON object")
 
     plan = commands.add_parser(
@@ -87,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
     tiny = commands.add_parser("make-tiny-model", help="write the tiny random test checkpoint")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("out_dir", help="directory to write the checkpoint to")
+    tiny.add_argument("--seed", type=int, default=0, help="the weights' seed")
     return parser
 
 
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except (CheckpointError, ModelConfigError) as e:  # the user's checkpoint or options
+        parser.exit(2, f"mtpserve: error: {e}\n")
+    except EngineArgsError as e:
         parser.exit(2, f"mtpserve: error: {e}\n")
 
 
@@ -135,13 +138,7 @@ def _run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             seed=args.seed,
-            tp_size=args.tp,
-            ep_size=args.ep,
-            num_draft_tokens=args.num_draft_tokens,
-            share_topk=args.share_topk,
-            device=args.device,
-            indexer_numerics=args.indexer_numerics,
-            enable_prefix_caching=args.enable_prefix_caching,
+            **_engine_options(args),
         )
         if args.json:
             print(json.dumps(result))
@@ -159,25 +156,17 @@ def _run(args: argparse.Namespace) -> int:
         from deploy.local_server import serve_until_interrupted
         from workers.model_config import check_checkpoint
 
-        check_checkpoint(args.model, args.tp, args.ep)  # before Ray starts
-
-        engine = {
-            "indexer_numerics": args.indexer_numerics,
-            "enable_prefix_caching": args.enable_prefix_caching,
-        }
+        engine = _engine_options(args)
+        check_checkpoint(  # before Ray starts
+            args.model, engine.get("tp_size", 1), engine.get("ep_size", 1)
+        )
         if args.served_model_name is not None:
             engine["served_model_name"] = args.served_model_name
-        if args.max_num_seqs is not None:
-            engine["max_num_seqs"] = args.max_num_seqs
-        if args.max_model_len is not None:
-            engine["max_model_len"] = args.max_model_len
+        # AppArgs names these itself; the rest are EngineConfig fields it passes on.
+        own = {k: engine.pop(k) for k in APP_ENGINE_FIELDS if k in engine}
         app_args = AppArgs(
             model=args.model,
-            tp_size=args.tp,
-            ep_size=args.ep,
-            num_draft_tokens=args.num_draft_tokens,
-            share_topk=args.share_topk,
-            device=args.device,
+            **own,
             engine=engine,
             actor_num_cpus=args.actor_num_cpus,
             replica_num_cpus=args.replica_num_cpus,
