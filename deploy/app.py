@@ -73,6 +73,8 @@ class AppArgs(BaseModel):
     # are unused then, and so is prefix_aware_routing (Serve's proxy routes HTTP requests
     # before any token is known).
     colocate: bool = False
+    # Clients must send `Authorization: Bearer <api_key>` (deploy/auth.py); None: no key.
+    api_key: str | None = None
 
     @property
     def num_worker_ranks(self) -> int:
@@ -132,7 +134,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             logging_config={"enable_access_log": args.access_log},
             **scaling,
         )
-        return server.bind(engine_config_dict(args), args.stream_chunks_per_s, ingress_limits(args))
+        return server.bind(
+            engine_config_dict(args), args.stream_chunks_per_s, ingress_limits(args), args.api_key
+        )
     routing: dict[str, Any] = {}
     if args.prefix_aware_routing:
         routing["request_router_config"] = RequestRouterConfig(
@@ -163,7 +167,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         logging_config={"enable_access_log": args.access_log},
     )
     return ingress.bind(
-        model_server.bind(engine_config_dict(args), args.stream_chunks_per_s), ingress_limits(args)
+        model_server.bind(engine_config_dict(args), args.stream_chunks_per_s),
+        ingress_limits(args),
+        args.api_key,
     )
 
 

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--served-model-name", default=None, help="model id of the API (default: from --model)"
     )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send it (Authorization: Bearer KEY, the openai client's api_key)",
+    )
     # Fractions so that a TP=2 engine, its coordinator and the ingress fit a 2-core laptop.
     serve.add_argument(
         "--actor-num-cpus", type=float, default=0.5, help="CPU request of each worker actor"
@@ -172,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
             replica_num_cpus=args.replica_num_cpus,
             ingress_num_cpus=0.25,
             colocate=args.colocate,
+            api_key=args.api_key,
         )
         serve_until_interrupted(app_args, args.host, args.port, address=args.address)
         return 0

@@ -38,6 +38,7 @@ from transformers import AutoTokenizer
 
 from cluster.sampling_params import InvalidRequestError
 from deploy import openai_serving as serving
+from deploy.auth import ApiKeyCheck
 from deploy.limits import BodySizeLimit, IngressLimits, max_chars_per_token
 from deploy.messages import GenerateChunk, GenerateFailure, GenerateRequest, ModelInfo
 from deploy.openai_protocol import (
@@ -70,6 +71,7 @@ _END = object()  # marks the end of one choice's stream inside `_merge`
 
 
 app.add_middleware(BodySizeLimit)
+app.add_middleware(ApiKeyCheck)  # added last, so it runs first: no key, no body read
 
 _UNION_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
 
@@ -183,8 +185,14 @@ def _failure_from_handle_error(exc: BaseException) -> GenerateFailure:
 class OpenAIIngress:
     """Serve deployment class; `deploy.app.build_app` makes it a deployment."""
 
-    def __init__(self, model_server: DeploymentHandle, limits: IngressLimits | None = None):
+    def __init__(
+        self,
+        model_server: DeploymentHandle,
+        limits: IngressLimits | None = None,
+        api_key: str | None = None,
+    ):
         self._model_server = model_server
+        app.state.api_key = api_key
         self._stream_server = model_server.options(stream=True)
         self._limits = limits or IngressLimits()
         app.state.max_body_bytes = self._limits.max_request_body_bytes

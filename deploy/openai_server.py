@@ -85,10 +85,11 @@ class OpenAIServer(OpenAIIngress):
         engine_config: dict,
         stream_chunks_per_s: float | None = None,
         limits: IngressLimits | None = None,
+        api_key: str | None = None,
     ):
         # Seconds of loading and warm-up: off the event loop, which Serve already runs.
         self._server = await asyncio.to_thread(ModelServer, engine_config, stream_chunks_per_s)
-        await super().__init__(InProcessHandle(self._server), limits)
+        await super().__init__(InProcessHandle(self._server), limits, api_key)
 
     async def check_health(self) -> None:
         await self._server.check_health()

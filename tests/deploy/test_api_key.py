@@ -1,0 +1,41 @@
+"""`--api-key` over real HTTP: without the key (or with another) the API is a 401 with an OpenAI
+error body, the official client with the key is served, probes stay open."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.deploy.conftest import app_args
+
+APP = "keyed"
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_url(serve_url, tiny_model_dir):
+    from ray import serve
+
+    from deploy.app import build_app
+
+    args = dict(app_args(tiny_model_dir), api_key=KEY, colocate=True)
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    yield f"{serve_url}/{APP}"
+    serve.delete(APP)
+
+
+def test_the_api_needs_the_key(keyed_url):
+    for key in ("wrong", None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        response = httpx.get(f"{keyed_url}/v1/models", headers=headers, timeout=60)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=f"{keyed_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    right = openai.OpenAI(base_url=f"{keyed_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    model = right.models.list().data[0].id
+    completion = right.completions.create(model=model, prompt="def f(x):", max_tokens=4)
+    assert completion.usage.completion_tokens == 4
+    assert httpx.get(f"{keyed_url}/health", timeout=60).status_code == 200  # probes need no key
