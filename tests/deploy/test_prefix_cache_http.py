@@ -202,10 +202,12 @@ def test_prefix_cache_counters_move_by_the_engine_counters_difference(monkeypatc
 def test_cli_flag_turns_prefix_caching_off():
     from cluster.config import EngineConfig
     from deploy.cli import build_parser
+    from deploy.engine_args import engine_options
 
     parser = build_parser()
-    assert parser.parse_args(["serve"]).enable_prefix_caching is True
+    # Unset, the option is left to EngineConfig, whose default is on.
+    assert "enable_prefix_caching" not in engine_options(parser.parse_args(["serve"]))
     assert EngineConfig(model="m").enable_prefix_caching is True
     for command in (["serve"], ["generate", "--prompt", "x"]):
         args = parser.parse_args([*command, "--no-enable-prefix-caching"])
-        assert args.enable_prefix_caching is False
+        assert engine_options(args)["enable_prefix_caching"] is False
