@@ -46,7 +46,13 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.load_test import _free_port, make_prompts, model_vocab_size, percentile
+from benchmarks.load_test import (
+    _free_port,
+    completion_body,
+    make_prompts,
+    model_vocab_size,
+    percentile,
+)
 
 
 @dataclass
@@ -218,15 +224,7 @@ def client_class(name: str):
 
 async def one_streamed(http, model: str, prompt: list[int], max_tokens: int, result: LevelResult):
     """-> (ttft_s, [gap_s], latency_s, completion tokens, text) of one streamed completion."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = completion_body(model, prompt, max_tokens, stream=True)
     sent = time.perf_counter()
     chunk_s: list[float] = []
     text: list[str] = []
@@ -250,13 +248,7 @@ async def one_streamed(http, model: str, prompt: list[int], max_tokens: int, res
 
 
 async def one_full(http, model: str, prompt: list[int], max_tokens: int, result: LevelResult):
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
+    body = completion_body(model, prompt, max_tokens, stream=False)
     sent = time.perf_counter()
     status, reply = await http.post_json("/v1/completions", body)
     done = time.perf_counter()

@@ -76,20 +76,27 @@ def make_prompts(vocab_size: int, num_prompts: int, prompt_len: int, seed: int =
 # --- HTTP ------------------------------------------------------------------------------------
 
 
-async def stream_completion(
-    http: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
-) -> tuple[float, float, int, str]:
-    """One streamed greedy completion. Returns (ttft_s, total_s, completion_tokens, text);
-    raises on any failure."""
+def completion_body(model: str, prompt: list[int], max_tokens: int, stream: bool) -> dict:
+    """A greedy /v1/completions body of exactly `max_tokens` tokens (EOS ignored), streamed
+    with its usage last, or not."""
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+async def stream_completion(
+    http: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+) -> tuple[float, float, int, str]:
+    """One streamed greedy completion. Returns (ttft_s, total_s, completion_tokens, text);
+    raises on any failure."""
+    body = completion_body(model, prompt, max_tokens, stream=True)
     sent = time.perf_counter()
     ttft_s = None
     usage = None

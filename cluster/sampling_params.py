@@ -104,13 +104,9 @@ class SamplingParams:
     @property
     def has_logits_processors(self) -> bool:
         """True when the sampled distribution is not the model's alone."""
-        return bool(
-            self.logit_bias
-            or self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.min_tokens
-        )
+        from workers.batch import uses_logits_processors
+
+        return uses_logits_processors(self)
 
     @property
     def greedy(self) -> bool:

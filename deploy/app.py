@@ -112,6 +112,20 @@ def placement_bundles(args: AppArgs) -> list[dict[str, float]]:
     return [head_bundle] + [dict(worker_bundle) for _ in range(args.num_worker_ranks)]
 
 
+def _engine_replica_options(args: AppArgs) -> dict[str, Any]:
+    """Serve options of the deployment that owns an engine (the model server, or the colocated
+    server): its workers in the replica's placement group, slow loads, graceful drains."""
+    return dict(
+        ray_actor_options={"num_cpus": args.replica_num_cpus},
+        placement_group_bundles=placement_bundles(args),
+        placement_group_strategy="STRICT_PACK",
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=20,
+        logging_config={"enable_access_log": args.access_log},
+    )
+
+
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     scaling: dict[str, Any] = (
@@ -125,13 +139,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         server = serve.deployment(OpenAIServer).options(
             name=SERVER_NAME,
             max_ongoing_requests=args.ingress_max_ongoing_requests,
-            ray_actor_options={"num_cpus": args.replica_num_cpus},
-            placement_group_bundles=placement_bundles(args),
-            placement_group_strategy="STRICT_PACK",
-            health_check_period_s=10,
-            health_check_timeout_s=60,
-            graceful_shutdown_timeout_s=20,
-            logging_config={"enable_access_log": args.access_log},
+            **_engine_replica_options(args),
             **scaling,
         )
         return server.bind(
@@ -150,13 +158,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     model_server = serve.deployment(ModelServer).options(
         name=MODEL_SERVER_NAME,
         max_ongoing_requests=args.model_server_max_ongoing_requests,
-        ray_actor_options={"num_cpus": args.replica_num_cpus},
-        placement_group_bundles=placement_bundles(args),
-        placement_group_strategy="STRICT_PACK",
-        health_check_period_s=10,
-        health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=20,
-        logging_config={"enable_access_log": args.access_log},
+        **_engine_replica_options(args),
         **scaling,
         **routing,
     )

@@ -9,6 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def uses_logits_processors(sampling) -> bool:
+    """Whether `sampling` (SamplingSpec here, or the request's SamplingParams) asks for any
+    logits processor, so that the sampled distribution is not the model's alone."""
+    return bool(
+        sampling.logit_bias
+        or sampling.presence_penalty
+        or sampling.frequency_penalty
+        or sampling.repetition_penalty != 1.0
+        or sampling.min_tokens
+    )
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """The part of a request's sampling parameters the device needs."""
@@ -33,13 +45,7 @@ class SamplingSpec:
 
     @property
     def has_logits_processors(self) -> bool:
-        return bool(
-            self.logit_bias
-            or self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.min_tokens
-        )
+        return uses_logits_processors(self)
 
 
 @dataclass
