@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from cluster.sampling_params import SEED_MAX, SEED_MIN
@@ -217,14 +217,40 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
-class FunctionDefinition(_Strict):
+class _KeepsKeyOrder(_Strict):
+    """Remembers the order of the keys the client sent: DeepSeek-V3.2's prompt shows each tool
+    as the client's JSON (`json.dumps` of its dict), so a reordered dump is a different prompt
+    from the one the model was trained to read (pydantic dumps in field-definition order)."""
+
+    _sent_keys: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_key_order(cls, data, handler):
+        model = handler(data)
+        if isinstance(data, dict):
+            model._sent_keys = tuple(data)
+        return model
+
+    def as_sent(self) -> dict[str, Any]:
+        """The fields the client set, in its order (nested tools' functions too)."""
+        fields = {
+            key: value.as_sent() if isinstance(value, _KeepsKeyOrder) else value
+            for key, value in ((k, getattr(self, k)) for k in self.model_fields_set)
+        }
+        order = [k for k in self._sent_keys if k in fields]
+        order += [k for k in fields if k not in order]
+        return {key: fields[key] for key in order}
+
+
+class FunctionDefinition(_KeepsKeyOrder):
     name: Str
     description: Str | None = None
     parameters: dict[Str, Any] | None = None
     strict: Bool | None = None
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(_KeepsKeyOrder):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 

@@ -97,7 +97,8 @@ def prompt_tools(request) -> list[dict[str, Any]] | None:
         )
     if not request.tools or choice == "none":
         return None
-    return [tool.model_dump(exclude_none=True) for tool in request.tools]
+    # The client's own dicts, keys in the order sent (DeepSeek's prompt shows each as JSON).
+    return [tool.as_sent() for tool in request.tools]
 
 
 def message_dicts(request) -> list[dict[str, Any]]:

@@ -10,11 +10,13 @@ model text.
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import openai
 import pytest
 
+from deploy.chat_dsv32 import encode_messages
 from tests.deploy.conftest import app_args
 from tests.deploy.dsv32_checkpoint import EXECUTOR, load_tokenizer, make_dsv32_checkpoint
 from tests.deploy.test_chat_dsv32 import (
@@ -286,3 +288,37 @@ def test_batch_job_prompt_uses_the_builtin_encoder(tokenizer):
     assert _prompt_token_ids(request, tokenizer) == tokenizer.encode(
         expected, add_special_tokens=False
     )
+
+
+def test_tokenize_shows_tools_in_the_clients_key_order(dsv32_url, tokenizer):
+    """DeepSeek's prompt is each tool's JSON as the client wrote it; a server that dumps its own
+    field order (name, description, parameters) would show the model other bytes."""
+    function = {
+        "parameters": {
+            "type": "object",
+            "required": ["days", "city"],
+            "properties": {"days": {"type": "integer"}, "city": {"type": "string"}},
+        },
+        "name": "get_forecast",
+        "description": "Rain forecast",
+    }
+    tools = [{"function": function, "type": "function"}]
+    result = tokenize(dsv32_url, messages=QUESTION, tools=tools)
+    expected = encode_messages(QUESTION, thinking=False, tools=tools)
+    assert json.dumps(function, ensure_ascii=False) in expected
+    assert tokenizer.decode(result["tokens"]) == expected
+
+
+@pytest.mark.skipif(
+    not os.environ.get("DSV32_ENCODING_DIR"),
+    reason="set DSV32_ENCODING_DIR to a copy of DeepSeek-V3.2's encoding/ folder",
+)
+def test_tokenize_deepseeks_own_test_vector(dsv32_url, tokenizer):
+    """DeepSeek's official vector through the HTTP path (see test_chat_dsv32.py)."""
+    folder = os.environ["DSV32_ENCODING_DIR"]
+    with open(os.path.join(folder, "test_input.json"), encoding="utf-8") as f:
+        vector = json.load(f)
+    with open(os.path.join(folder, "test_output.txt"), encoding="utf-8") as f:
+        expected = f.read()
+    result = tokenize(dsv32_url, messages=vector["messages"], tools=vector["tools"], **THINKING)
+    assert tokenizer.decode(result["tokens"]) + "\n" == expected
