@@ -359,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the model server's streamed chunk budget (default: AppArgs')",
     )
+    ap.add_argument(
+        "--proxy",
+        action="store_true",
+        help="HTTP through Serve's proxy even where the ingress replica can serve it directly",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="passes over the levels")
     ap.add_argument(
         "--interleave",
@@ -378,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = args.paths.split(",")
     prompts = make_prompts(model_vocab_size(model), 64, args.prompt_len)
     engine_options = {
+        "model": model,
         "tp_size": args.tp,
         "num_draft_tokens": args.num_draft_tokens,
         "device": args.device,
@@ -391,10 +397,15 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt_len={args.prompt_len}",
         flush=True,
     )
-    from deploy.local_server import deploy, shutdown, start_local_ray
+    from deploy.local_server import deploy, serves_directly, shutdown, start_local_ray
 
+    port = _free_port()
+    direct = not (args.url or args.proxy) and serves_directly(_app_args(args, engine_options))
     if args.url is None:
-        start_local_ray("local")
+        start_local_ray("local", direct_port=port if direct else None)
+        shape = "one deployment" if args.colocate else "ingress + model server"
+        via = "the ingress replica directly" if direct else "Serve's proxy"
+        print(f"bench_serve: HTTP: {shape}, served by {via}", flush=True)
     http_paths = [p for p in paths if p in ("stream", "full")]
     interleave = args.interleave if args.interleave is not None else args.device == "cpu"
     rows: list[LevelResult] = []
@@ -406,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         if interleave:  # both up at once; per level: offline, then each HTTP path
             if http_paths:
                 server, first_ms = _serve(
-                    model, engine_options, prompts, levels, http_paths, args, deploy
+                    engine_options, prompts, levels, http_paths, args, deploy, port, direct
                 )
             for repeat in range(args.repeat):
                 for c in levels:
@@ -421,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine = None
             if http_paths:
                 server, first_ms = _serve(
-                    model, engine_options, prompts, levels, http_paths, args, deploy
+                    engine_options, prompts, levels, http_paths, args, deploy, port, direct
                 )
             for repeat in range(args.repeat):
                 for p in http_paths:
@@ -462,7 +473,7 @@ def _offline_engine(model, engine_options, prompts, levels, args):
     from cluster.config import EngineConfig
     from cluster.engine import LLMEngine
 
-    config = dict(engine_options)
+    config = {k: v for k, v in engine_options.items() if k != "model"}
     if args.tp > 1:
         config["executor"] = "ray"
     engine = LLMEngine(EngineConfig(model=model, **config))
@@ -491,37 +502,38 @@ class _Server:
     model: str
 
 
-def _serve(model, engine_options, prompts, levels, paths, args, deploy):
-    """Deploy (unless --url), time the ten first requests, warm each path up:
-    -> (_Server, first request latencies in ms)."""
+def _app_args(args, engine_options):
+    """The app the script deploys: the engine options of the offline run, the same resources."""
     from deploy.app import AppArgs
 
+    pacing = {}  # only what was asked for: the script also runs against older commits
+    if args.stream_chunks_per_s is not None:
+        pacing["stream_chunks_per_s"] = args.stream_chunks_per_s
+    if args.colocate:
+        pacing["colocate"] = True
+    engine = {
+        k: v
+        for k, v in engine_options.items()
+        if k not in ("model", "tp_size", "num_draft_tokens", "device", "actor_num_cpus")
+    }
+    return AppArgs(
+        model=engine_options["model"],
+        tp_size=args.tp,
+        num_draft_tokens=args.num_draft_tokens,
+        device=args.device,
+        engine=engine,
+        actor_num_cpus=args.actor_num_cpus,
+        replica_num_cpus=args.actor_num_cpus,
+        ingress_num_cpus=args.actor_num_cpus,
+        **pacing,
+    )
+
+
+def _serve(engine_options, prompts, levels, paths, args, deploy, port, direct):
+    """Deploy (unless --url), time the ten first requests, warm each path up:
+    -> (_Server, first request latencies in ms)."""
     if args.url is None:
-        pacing = {}  # only what was asked for: the script also runs against older commits
-        if args.stream_chunks_per_s is not None:
-            pacing["stream_chunks_per_s"] = args.stream_chunks_per_s
-        if args.colocate:
-            pacing["colocate"] = True
-        engine = {
-            k: v
-            for k, v in engine_options.items()
-            if k not in ("tp_size", "num_draft_tokens", "device", "actor_num_cpus")
-        }
-        url = deploy(
-            AppArgs(
-                model=model,
-                tp_size=args.tp,
-                num_draft_tokens=args.num_draft_tokens,
-                device=args.device,
-                engine=engine,
-                actor_num_cpus=args.actor_num_cpus,
-                replica_num_cpus=args.actor_num_cpus,
-                ingress_num_cpus=args.actor_num_cpus,
-                **pacing,
-            ),
-            "127.0.0.1",
-            _free_port(),
-        )
+        url = deploy(_app_args(args, engine_options), "127.0.0.1", port, direct=direct)
     else:
         url = args.url.rstrip("/").removesuffix("/v1")
     server = _Server(client_class(args.client), url, _served_model(url))

@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from deploy.local_server import PortInUseError
     from workers.loader import CheckpointError
     from workers.model_config import ModelConfigError
 
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"mtpserve: error: {e}\n")
     except EngineArgsError as e:
         parser.exit(2, f"mtpserve: error: {e}\n")
+    except PortInUseError as e:
+        parser.exit(1, f"mtpserve: error: {e}\n")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -90,6 +91,8 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
 
         assert processes_under(ray_root), "the CLI's Ray should be running under its own root"
         assert _listen_addresses(port) == {"127.0.0.1"}
+        # The ingress replica serves the port itself (Ray Serve's direct ingress), not the proxy.
+        assert _listeners(port) == {"ray::ServeRepli"}, _listeners(port)
         refused = _connect_without_token(_gcs_port(ray_root), env)
         assert refused.returncode != 0 and "token" in refused.stderr.lower(), refused
         server.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -107,6 +110,37 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
         kill_processes_under(ray_root)  # only this test's Ray, found by its temp root
+
+
+def _listeners(port: int) -> set[str]:
+    """The names (15 characters, as the kernel keeps them) of the processes listening on TCP
+    `port`."""
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return {
+        name
+        for line in lines.splitlines()
+        if line.split()[3].rpartition(":")[2] == str(port)
+        for name in re.findall(r'\("([^"]+)",pid=', line)
+    }
+
+
+@pytest.mark.no_triton
+def test_mtpserve_serve_refuses_a_port_in_use_before_starting_ray(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run(
+            [MTPSERVE, "serve", "--model", tiny_model_dir, "--port", str(port), "--device", "cpu"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"port {port} on 127.0.0.1 is in use" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60  # refused up front, not after a failed deployment
 
 
 def _listen_addresses(port: int) -> set[str]:
