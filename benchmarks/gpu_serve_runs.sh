@@ -4,7 +4,8 @@
 # root with .raydev/raysite.tar.xz there (bash ../shared/gpu/ray-bundle.sh makes it). One part
 # per call keeps each under the device's 10-minute limit; a second argument "colocated" serves
 # ingress and engine as one deployment (AppArgs.colocate) instead of two ("two" for the default
-# shape when passing more bench_serve arguments after it):
+# shape when passing more bench_serve arguments after it); "-proxy" after either ("two-proxy",
+# "colocated-proxy") sends HTTP through Serve's proxy instead of the ingress replica directly:
 #   bash benchmarks/gpu_serve_runs.sh tp_step               # 2 GPUs: per-step overhead, TP=2 vs 1
 #   bash benchmarks/gpu_serve_runs.sh tiny_tp1 [colocated]  # tiny model, TP=1
 #   bash benchmarks/gpu_serve_runs.sh tiny_tp2 [colocated]  # 2 GPUs: tiny model, TP=2
@@ -29,7 +30,8 @@ serve_pair() {  # $1: name; the rest: bench_serve arguments (offline and HTTP in
   local name=$1
   shift
   local extra=()
-  if [ "$shape" = colocated ]; then extra=(--colocate); name=$name-colocated; fi
+  case $shape in colocated*) extra=(--colocate); name=$name-colocated ;; esac
+  case $shape in *-proxy) extra+=(--proxy); name=$name-proxy ;; esac
   python3 benchmarks/bench_serve.py --device cuda --concurrency $levels --max-tokens 128 \
     --actor-num-cpus 1 ${extra[@]+"${extra[@]}"} "$@" ${more[@]+"${more[@]}"} \
     --json "$out/$name.json"
