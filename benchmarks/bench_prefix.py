@@ -151,12 +151,51 @@ def _longest(args) -> int:
     )
 
 
+# `--v32-width N`: DeepSeek-V3.2's attention, indexer and expert widths with N layers (the
+# first dense) and 16 routed experts top-8 (the checkpoint stays a few GB): a model whose prefill
+# costs per token what the real one's layers do, unlike the host-bound tiny default.
+V32_WIDTH_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "qk_nope_head_dim",
+    "index_topk",
+    "index_head_dim",
+    "index_n_heads",
+    "n_shared_experts",
+    "routed_scaling_factor",
+    "norm_topk_prob",
+)
+
+
+def v32_width_overrides(num_layers: int) -> dict:
+    from workers.model_config import DEEPSEEK_V32
+
+    return {
+        **{key: DEEPSEEK_V32[key] for key in V32_WIDTH_KEYS},
+        "num_hidden_layers": num_layers,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 16,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+    }
+
+
 def _model_dir(args) -> str:
     if args.model:
         return args.model
     from workers.tiny_model import make_tiny_model
 
     overrides = {"max_position_embeddings": 1 << max(12, (_longest(args) + 64).bit_length())}
+    if args.v32_width:
+        overrides.update(v32_width_overrides(args.v32_width))
     overrides.update(json.loads(args.model_overrides or "{}"))
     return make_tiny_model(tempfile.mkdtemp(prefix="bench-prefix-"), seed=0, **overrides)
 
@@ -165,6 +204,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--model-overrides", default=None, help="JSON config overrides (no --model)")
+    ap.add_argument(
+        "--v32-width",
+        type=int,
+        default=0,
+        metavar="LAYERS",
+        help="a DeepSeek-V3.2-width model of LAYERS layers (no --model; see v32_width_overrides)",
+    )
+    ap.add_argument("--no-multi-turn", action="store_true", help="only the long-prefix measurement")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=8)
@@ -189,7 +236,8 @@ def main() -> None:
     )
     warm_up = SamplingParams(max_tokens=2, temperature=0.0)
     rows: list[WorkloadResult] = []
-    for mode, caching in (("off", False), ("on", True), ("thinking", True)):
+    modes = () if args.no_multi_turn else (("off", False), ("on", True), ("thinking", True))
+    for mode, caching in modes:
         llm = LLM(model, enable_prefix_caching=caching, **options)
         llm.generate([[5, 6, 7]], warm_up)
         rows.append(run_multi_turn(llm, args, mode))
@@ -203,7 +251,12 @@ def main() -> None:
         k: getattr(args, k)
         for k in ("conversations", "turns", "system_len", "user_len", "max_tokens")
     }
-    setup.update(model=model, device=args.device, num_draft_tokens=args.num_draft_tokens)
+    setup.update(
+        model=model,
+        v32_width=args.v32_width,
+        device=args.device,
+        num_draft_tokens=args.num_draft_tokens,
+    )
     if args.json:
         print(
             json.dumps(

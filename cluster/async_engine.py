@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +24,11 @@ from cluster.outputs import RequestOutput, join_outputs
 from cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The
+# step loop gives the GIL up at every wait on the device and then needs it back at once; with
+# the HTTP side busy in the same process, 5 ms per hand-back would outlast a whole decode step.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineDeadError(RuntimeError):
@@ -98,6 +104,8 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._dead: str | None = None
         self._stopping = False
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: a serving process
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 

@@ -124,7 +124,11 @@ class LLMEngine:
     ) -> str:
         request_id = request_id or f"req-{next(self._counter)}"
         params.validate(self.vocab_size)
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+        # min/max run in C: a per-token generator cost ~1 ms on an 8k-token prompt, a tenth of
+        # a cached turn's whole time to first token on the H200.
+        if prompt_token_ids and (
+            min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size
+        ):
             raise InvalidRequestError("prompt token ids must be in [0, vocab_size)", "prompt")
         if len(prompt_token_ids) + 1 > self.max_model_len:
             raise InvalidRequestError(
