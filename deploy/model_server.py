@@ -142,6 +142,7 @@ class ModelServer:
             model_name=self._engine.model_name,
             max_model_len=self._engine.max_model_len,
             model_dir=self._config.model,
+            sampling_defaults=self._engine.sampling_defaults,
         )
 
     def engine_stats(self) -> dict:
