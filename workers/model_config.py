@@ -132,4 +132,3 @@ def check_model_config(config, tp_size: int = 1, ep_size: int = 1) -> None:
         )
     if errors:
         raise ModelConfigError("invalid model config: " + "; ".join(errors))
-
