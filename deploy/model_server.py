@@ -129,7 +129,7 @@ class ModelServer:
             time.perf_counter() - started,
             warm_up.seconds,
             warm_up.num_graphs,
-            self._config,
+            self._engine.engine.config,  # resolved: the draft length and context chosen
         )
         self._metrics = EngineMetrics(self._engine.model_name)
         self._stats_task: asyncio.Task | None = None
