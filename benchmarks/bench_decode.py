@@ -24,6 +24,7 @@ import time
 import torch
 
 from benchmarks.bench_kernels import copy_bandwidth_gbs, with_pdl
+from kernels.settings import reload_settings
 from workers.batch import SamplingSpec, SeqWork, StepInput
 from workers.cuda_graph import DecodeGraphs
 from workers.model import DeepseekV32ForCausalLM
@@ -494,11 +495,13 @@ def run_single(args, emit, bw: float) -> None:
     emit(f"\nengine step without MTP (b=1, 1k, whole runner step): {plain:.2f} ms")
 
     os.environ["MTPSERVE_FORCE_REFERENCE"] = "1"
+    reload_settings()
     try:
         twins_ms = eager_ms(bench.eager_step(1, 1024, 1), reps=3)
         emit(f"twins (pure torch, eager), b=1, 1k: {twins_ms:.1f} ms/step")
     finally:
         os.environ.pop("MTPSERVE_FORCE_REFERENCE", None)
+        reload_settings()
 
     if not args.skip_transformers:
         hf_ms = transformers_step_ms(model, config)

@@ -29,6 +29,7 @@ from kernels.moe_experts import grouped_moe_triton
 from kernels.moe_routing import moe_route_triton
 from kernels.rmsnorm import rms_norm_triton
 from kernels.rope import rope_cos_sin
+from kernels.settings import reload_settings
 from kernels.sparse_mla import sparse_mla_attention_triton
 
 HIDDEN, NUM_HEADS, KV_LORA, ROPE = 7168, 128, 512, 64
@@ -70,6 +71,7 @@ def with_pdl(enabled: bool) -> None:
         os.environ.pop("MTPSERVE_DISABLE_PDL", None)
     else:
         os.environ["MTPSERVE_DISABLE_PDL"] = "1"
+    reload_settings()
 
 
 def mma_tflops() -> float:
@@ -410,8 +412,10 @@ def kernel_tables(args, emit, copy: float) -> None:
     for batch, context in ((1, 8192), (8, 8192), (32, 8192)):
         step = decode_chain(args.layers, batch, context, (w13, w2))
         os.environ["MTPSERVE_FORCE_REFERENCE"] = "1"
+        reload_settings()
         twins = eager_time_us(step, iters=2)
         del os.environ["MTPSERVE_FORCE_REFERENCE"]
+        reload_settings()
         times = {}
         for pdl in (False, True):
             with_pdl(pdl)

@@ -97,6 +97,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = config.model_name
         self.max_model_len = self.engine.max_model_len
+        self.sampling_defaults = self.engine.sampling_defaults
         # Guards self.engine between the loop and restart/shutdown/probe (never the event loop).
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -242,7 +243,8 @@ class AsyncEngine:
                 self.engine.shutdown()
             except Exception:
                 logger.exception("shutting down the failed engine")
-            self.engine = LLMEngine(self.config)
+            # The resolved config: the context and draft length the callers were told stay.
+            self.engine = LLMEngine(self.engine.config)
             self._dead = None
 
     def stats(self) -> EngineStats:

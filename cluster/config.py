@@ -1,11 +1,55 @@
-"""The one composed engine configuration. Frozen; "auto" choices are resolved once, at startup."""
+"""The one composed engine configuration, and where its "auto" choices are resolved.
+
+`EngineConfig` is what the user asks for, and the one home of every engine default: the CLI
+(deploy/engine_args.py), the Serve app's args (deploy/app.py) and the offline `LLM` leave an
+option out rather than repeat its default. Three fields are "auto" until the checkpoint is
+read; `resolve_config` settles them once, at startup, and logs what it chose and why:
+
+- `num_draft_tokens` None: MTP speculation with `DEFAULT_NUM_DRAFT_TOKENS` drafts when the
+  checkpoint has an MTP layer (config.json's `num_nextn_predict_layers` > 0), else off;
+- `max_model_len` None: the checkpoint's whole context (`max_position_embeddings`), lowered by
+  `fit_context` once the workers have sized the KV pool from memory, if the pool holds less;
+- the sampling defaults of requests that leave them out: the checkpoint's
+  `generation_config.json` (`read_checkpoint`).
+
+`lookahead_slots` is the one definition of the KV room a sequence needs past its tokens.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
 
-DEFAULT_MAX_MODEL_LEN = 8192  # when neither the option nor the checkpoint says less
+logger = logging.getLogger(__name__)
+
+# The default MTP draft length k. From BENCHMARKS.md (the shipped model, greedy, 8 prompts):
+# over 128-token completions mean tokens/round is 1.86 / 2.57 / 3.19 at k = 1 / 2 / 3 (CPU),
+# 1.85 / 2.51 / 3.08 (H200), and engine tokens/s is highest at k = 3 on both (CPU 270 vs 228 at
+# k = 2 and 69 off; H200 1832 vs 1604 and 1560 off). On a 4-layer slice of the real model's
+# width (H200, "End-to-end decode") a round costs 4.53 / 5.60 / 6.76 ms at b=1, so the implied
+# tokens/s are 407 / 448 / 455 at b=1 and 1245 / 1302 / 1306 at b=8: k = 3 is best or tied at
+# both, and on the 61-layer model (~24.3 ms a step) the round's extra cost is a smaller share
+# still, ~106 tok/s at k = 3 against ~90 at k = 2 (derived). Past k = 3 nothing is measured and
+# acceptance falls with each position (0.81, 0.69, 0.61 on the H200), so k = 3.
+DEFAULT_NUM_DRAFT_TOKENS = 3
+MAX_NUM_DRAFT_TOKENS = 16  # a typo guard: acceptance at position 3 is already 0.61
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model's dtype
+
+
+class ConfigError(ValueError):
+    """Options that cannot serve this checkpoint (or at all); the CLI prints it and exits 2."""
+
+
+def lookahead_slots(num_draft_tokens: int) -> int:
+    """KV slots a sequence may own past `max_model_len`: a step that samples also owns the
+    `k - 1` slots that MTP draft steps 1..k-1 write (the positions of the drafts they feed
+    back), and `update()` rolls them back with rejected drafts. The scheduler, the engine's
+    fit of the context and the workers' block tables all use this."""
+    return max(0, num_draft_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -14,13 +58,18 @@ class EngineConfig:
     served_model_name: str | None = None  # the API's model id; None: derived from `model`
     tp_size: int = 1
     ep_size: int = 1  # expert-parallel size within the TP group (divides tp_size)
-    num_draft_tokens: int = 0  # k; 0 turns MTP speculation off
+    # k; 0 turns MTP speculation off; None: DEFAULT_NUM_DRAFT_TOKENS when the checkpoint has
+    # an MTP layer, else 0 (resolve_config)
+    num_draft_tokens: int | None = None
     share_topk: bool = False  # draft steps 1..k-1 reuse draft step 0's top-k row
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bfloat16" | "float32"
+    # The KV caches' dtype: "auto" is the model's. "fp8" is refused until FP8 caches land.
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: min(config.max_position_embeddings, 8192)
+    # None: the checkpoint's whole context, lowered to what the KV pool holds (fit_context)
+    max_model_len: int | None = None
     num_kv_blocks: int | None = None  # None: sized from memory
     block_size_tokens: int = 64
     # Full blocks of a prompt that an earlier request computed are reused, not recomputed.
@@ -46,14 +95,30 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
-            raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
-        from workers.kv_cache import MAX_LOOKAHEAD_SLOTS
-
-        if not 0 <= self.num_draft_tokens <= MAX_LOOKAHEAD_SLOTS + 1:
-            raise ValueError(f"num_draft_tokens must be in 0..{MAX_LOOKAHEAD_SLOTS + 1}")
+            raise ConfigError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
+        k = self.num_draft_tokens
+        if k is not None and not 0 <= k <= MAX_NUM_DRAFT_TOKENS:
+            raise ConfigError(f"num_draft_tokens must be in 0..{MAX_NUM_DRAFT_TOKENS}, got {k}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_dtype == "fp8":
+            raise ConfigError(
+                "kv_cache_dtype 'fp8': FP8 KV caches are not supported yet; use 'auto' (the "
+                "model's dtype)"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}"
+            )
         from workers.model import check_indexer_numerics
 
         check_indexer_numerics(self.indexer_numerics)  # here, not after the workers load weights
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of field `name`: for layers that must know it without a config (the
+        Serve app's resource shape, the prefix router's block size)."""
+        return cls.__dataclass_fields__[name].default
 
     @property
     def topk_src_rank(self) -> int | None:
@@ -66,15 +131,13 @@ class EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+            raise ConfigError(f"unknown engine options: {sorted(unknown)}")
         return cls(**d)
 
     @property
     def model_name(self) -> str:
         """The model id clients use: served_model_name, else the checkpoint directory's name
         ("mtpserve-default" for the shipped default model)."""
-        import os
-
         from workers.default_model import SHIPPED_DIR
 
         if self.served_model_name:
@@ -88,5 +151,124 @@ class EngineConfig:
     def cuda_graph_max_batch(self) -> int:
         return 0 if self.enforce_eager else self.max_num_seqs
 
+    @property
+    def is_resolved(self) -> bool:
+        return self.num_draft_tokens is not None and self.max_model_len is not None
+
+    @property
+    def max_seq_slots(self) -> int:
+        """KV slots one sequence may own: its context plus the MTP lookahead (resolved only)."""
+        assert self.is_resolved, "resolve_config first"
+        return self.max_model_len + lookahead_slots(self.num_draft_tokens)
+
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+# --- the checkpoint's defaults --------------------------------------------------------------
+
+# generation_config.json keys the engine's sampler takes, under SamplingParams' names.
+GENERATION_CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a checkpoint directory says about serving it."""
+
+    model_config: Any  # the transformers config from config.json
+    context_len: int  # the whole context it was made for, in tokens
+    has_mtp_layer: bool  # config.json's num_nextn_predict_layers > 0
+    # SamplingParams fields for a request that omits them, from generation_config.json
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def sampling_defaults(model_dir: str) -> dict[str, Any]:
+    """The sampling knobs a checkpoint's generation_config.json sets, as SamplingParams fields.
+    Only keys the file really has (transformers' GenerationConfig would fill in its own
+    defaults, top_k=50 among them); `do_sample: false` means greedy, as in transformers."""
+    path = os.path.join(model_dir, "generation_config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if raw.get("do_sample") is False:
+        return {"temperature": 0.0}
+    defaults = {k: raw[k] for k in GENERATION_CONFIG_SAMPLING_KEYS if raw.get(k) is not None}
+    from cluster.sampling_params import InvalidRequestError, SamplingParams
+
+    try:
+        SamplingParams(**defaults).validate()
+    except InvalidRequestError as e:
+        raise ConfigError(f"{path}: {e.message}") from None
+    return defaults
+
+
+def read_checkpoint(model_dir: str) -> Checkpoint:
+    from workers.loader import load_config
+    from workers.model_config import context_len
+
+    config = load_config(model_dir)
+    return Checkpoint(
+        model_config=config,
+        context_len=context_len(config),
+        has_mtp_layer=getattr(config, "num_nextn_predict_layers", 0) > 0,
+        sampling_defaults=sampling_defaults(model_dir),
+    )
+
+
+# --- resolution -----------------------------------------------------------------------------
+
+
+def resolve_config(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
+    """`config` with its checkpoint-dependent "auto" fields settled (the context before the KV
+    pool is known: `fit_context` lowers it). Raises ValueError for a draft length the
+    checkpoint cannot serve."""
+    k = config.num_draft_tokens
+    if k is None:
+        k = DEFAULT_NUM_DRAFT_TOKENS if checkpoint.has_mtp_layer else 0
+        why = "the checkpoint has an MTP layer" if k else "the checkpoint has no MTP layer"
+        logger.info("MTP speculation: %d draft tokens (default; %s)", k, why)
+    elif k > 0 and not checkpoint.has_mtp_layer:
+        raise ConfigError(
+            f"num_draft_tokens={k}: {config.model} has no MTP layer (config.json's "
+            "num_nextn_predict_layers is 0 or absent); serve it with num_draft_tokens 0"
+        )
+    return config.replace(
+        num_draft_tokens=k, max_model_len=config.max_model_len or checkpoint.context_len
+    )
+
+
+def fit_context(requested: EngineConfig, resolved: EngineConfig, capacity_tokens: int) -> int:
+    """The context served, given that the KV pool holds `capacity_tokens`: the resolved one if
+    one sequence of it (plus lookahead) fits, else as much as fits. Logs the choice and why."""
+    lookahead = lookahead_slots(resolved.num_draft_tokens)
+    wanted = resolved.max_model_len
+    if wanted + lookahead <= capacity_tokens:
+        if requested.max_model_len is None:
+            logger.info(
+                "context: %d tokens, the checkpoint's whole context (max_position_embeddings)",
+                wanted,
+            )
+        return wanted
+    fitted = capacity_tokens - lookahead
+    if fitted < 2:
+        raise ConfigError(
+            f"the KV pool holds {capacity_tokens} tokens: too few for any request "
+            "(raise num_kv_blocks or gpu_memory_utilization)"
+        )
+    source = "asked for" if requested.max_model_len else "the checkpoint's whole context"
+    (logger.warning if requested.max_model_len else logger.info)(
+        "context: %d tokens, not the %d %s: the KV pool holds %d tokens (%d blocks of %d; "
+        "num_kv_blocks / gpu_memory_utilization size it), %d of them the MTP lookahead",
+        fitted,
+        wanted,
+        source,
+        capacity_tokens,
+        capacity_tokens // resolved.block_size_tokens,
+        resolved.block_size_tokens,
+        lookahead,
+    )
+    return fitted

@@ -11,7 +11,13 @@ import logging
 from dataclasses import dataclass
 
 from cluster.block_manager import BlockManager
-from cluster.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from cluster.config import (
+    ConfigError,
+    EngineConfig,
+    fit_context,
+    read_checkpoint,
+    resolve_config,
+)
 from cluster.executor import WorkerError, make_executor
 from cluster.outputs import RequestOutput, SpecDecodeStats, make_request_output
 from cluster.request import Request, RequestStatus
@@ -63,24 +69,30 @@ def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
+        """`config` as the user gave it; `self.config` is it resolved (cluster/config.py): the
+        draft length, and the context fitted to the KV pool the workers sized."""
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        from workers.loader import load_config
         from workers.model_config import check_model_config
 
-        model_config = load_config(config.model)
-        check_model_config(model_config, config.tp_size, config.ep_size)  # before any weights
-        self.vocab_size = model_config.vocab_size
-        self.max_model_len = config.max_model_len or min(
-            model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
-        )
-        # The workers size their caches and graphs for the context the engine serves.
-        self.executor = make_executor(config.replace(max_model_len=self.max_model_len))
-        num_drafts = config.num_draft_tokens if self.executor.has_mtp else 0
-        if config.num_draft_tokens and not num_drafts:
-            logger.warning("the checkpoint has no MTP layer: num_draft_tokens forced to 0")
-        self.num_draft_tokens = num_drafts
+        checkpoint = read_checkpoint(config.model)
+        # Before any weights load.
+        check_model_config(checkpoint.model_config, config.tp_size, config.ep_size)
+        self.vocab_size = checkpoint.model_config.vocab_size
+        # SamplingParams fields for a request that leaves them out (generation_config.json).
+        self.sampling_defaults = checkpoint.sampling_defaults
+        resolved = resolve_config(config, checkpoint)
+        self.executor = make_executor(resolved)
+        if resolved.num_draft_tokens and not self.executor.has_mtp:
+            # config.json names an MTP layer that the weights lack (the loader logged it).
+            if config.num_draft_tokens is not None:
+                self.executor.shutdown()
+                raise ConfigError(
+                    f"num_draft_tokens={config.num_draft_tokens}: {config.model} has no MTP "
+                    "layer weights; serve it with num_draft_tokens 0"
+                )
+            resolved = resolved.replace(num_draft_tokens=0)
+        num_drafts = resolved.num_draft_tokens
         # Before the engine exists for anyone: the first request must not pay for compilation.
         self.warm_up = self.executor.warm_up(num_drafts, config.share_topk)
         num_blocks = self.executor.num_kv_blocks
@@ -92,12 +104,10 @@ class LLMEngine:
             # token (cluster/block_manager.py says why and what it costs).
             key_includes_next_token=num_drafts > 0,
         )
-        capacity = block_manager.capacity_tokens
-        if capacity < self.max_model_len + 2 * num_drafts:
-            self.max_model_len = capacity - 2 * num_drafts
-            logger.warning(
-                "KV pool holds %d tokens: max_model_len lowered to %d", capacity, self.max_model_len
-            )
+        max_model_len = fit_context(config, resolved, block_manager.capacity_tokens)
+        self.config = resolved.replace(max_model_len=max_model_len)
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = num_drafts
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -107,7 +117,7 @@ class LLMEngine:
                 num_draft_tokens=num_drafts,
                 block_size_tokens=config.block_size_tokens,
                 num_blocks=num_blocks,
-                max_model_len=self.max_model_len,
+                max_model_len=max_model_len,
             ),
             block_manager,
             tokenizer=self.tokenizer,
@@ -116,6 +126,11 @@ class LLMEngine:
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
         self._counter = itertools.count()
+
+    def default_sampling_params(self, **explicit) -> SamplingParams:
+        """SamplingParams with the checkpoint's defaults (generation_config.json) where
+        `explicit` leaves a field out; explicit values win."""
+        return SamplingParams(**{**self.sampling_defaults, **explicit})
 
     # --- requests ------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING
 
-from cluster.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from cluster.config import EngineConfig
 from workers.batch import StepInput, StepOutput
 
 if TYPE_CHECKING:
@@ -37,7 +37,8 @@ class Executor(abc.ABC):
 
 
 def worker_spec(config: EngineConfig):
-    """The engine config as one rank sees it (a workers.worker.WorkerSpec)."""
+    """The engine config (resolved: `cluster.config.resolve_config`) as one rank sees it (a
+    workers.worker.WorkerSpec)."""
     from workers.worker import WorkerSpec
 
     return WorkerSpec(
@@ -53,7 +54,7 @@ def worker_spec(config: EngineConfig):
         topk_src_rank=config.topk_src_rank,
         collective_timeout_s=config.step_timeout_s,
         cuda_graph_max_batch=config.cuda_graph_max_batch,
-        max_model_len=config.max_model_len or DEFAULT_MAX_MODEL_LEN,
+        max_seq_slots=config.max_seq_slots,
         max_num_seqs=config.max_num_seqs,
         indexer_numerics=config.indexer_numerics,
     )

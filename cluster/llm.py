@@ -16,8 +16,9 @@ class LLM:
     def generate(
         self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion (continuous batching); outputs in prompt order."""
-        params = params or SamplingParams()
+        """Runs every prompt to completion (continuous batching); outputs in prompt order.
+        No `params`: the checkpoint's sampling defaults (generation_config.json)."""
+        params = params or self.engine.default_sampling_params()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = []

@@ -35,29 +35,27 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.block_manager import BlockManager
-from cluster.config import DEFAULT_MAX_MODEL_LEN
+from cluster.config import EngineConfig, lookahead_slots
 from cluster.detokenizer import IncrementalDetokenizer, find_stop_string, stop_search_start
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError
 from workers.batch import SeqResult
 
-# 8192 blocks of 64 tokens = 512Ki token slots; engines size this from free GPU memory.
-DEFAULT_NUM_BLOCKS = 8192
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Scheduling limits. Invariants (checked): `max_num_batched_tokens >= max_num_seqs` so every
     running decode gets at least its one token each step; `max_num_batched_tokens >= 1 + k`;
     without chunked prefill, `max_num_batched_tokens >= max_model_len` so any prompt fits a step.
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per-step token budget
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int = EngineConfig.default("max_num_seqs")
+    # per-step token budget
+    max_num_batched_tokens: int = EngineConfig.default("max_num_batched_tokens")
     num_draft_tokens: int = 0  # k; 0 = MTP off
-    block_size_tokens: int = 64
-    num_blocks: int = DEFAULT_NUM_BLOCKS
-    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    block_size_tokens: int = EngineConfig.default("block_size_tokens")
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
@@ -138,7 +136,7 @@ class Scheduler:
         if self.block_manager.block_size_tokens != config.block_size_tokens:
             raise ValueError("block manager and config disagree on block_size_tokens")
         # The largest step of one request: a max_model_len prefill plus the MTP lookahead.
-        max_request_slots = config.max_model_len + max(0, config.num_draft_tokens - 1)
+        max_request_slots = config.max_model_len + lookahead_slots(config.num_draft_tokens)
         if self.block_manager.capacity_tokens < max_request_slots:
             raise ValueError(
                 f"the KV pool holds {self.block_manager.capacity_tokens} tokens, fewer than "
@@ -233,7 +231,7 @@ class Scheduler:
     def _num_lookahead_slots(self) -> int:
         """Slots past the verified tokens that MTP draft steps 1..k-1 write (positions of the
         drafts they feed back), so a step that samples owns them too."""
-        return max(0, self.config.num_draft_tokens - 1)
+        return lookahead_slots(self.config.num_draft_tokens)
 
     def _prefill_slots(
         self, request: Request, num_chunk_tokens: int, start: int | None = None

@@ -13,15 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from cluster.config import EngineConfig
 from deploy.ingress import OpenAIIngress
 from deploy.limits import IngressLimits
 from deploy.model_server import ModelServer
-from deploy.prefix_router import DEFAULT_BLOCK_SIZE_TOKENS, PrefixAffinityRouter
+from deploy.prefix_router import PrefixAffinityRouter
 
 MODEL_SERVER_NAME = "ModelServer"
 INGRESS_NAME = "OpenAIIngress"
@@ -34,11 +35,13 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="checkpoint dir; None = default_model_path()")
-    tp_size: int = Field(1, ge=1)
-    ep_size: int = Field(1, ge=1)
-    num_draft_tokens: int = Field(0, ge=0)
-    share_topk: bool = False
-    device: str = "auto"
+    # Engine options named here for Serve configs' convenience; None (like any `EngineConfig`
+    # field left out of `engine`) is EngineConfig's default, which lives there alone.
+    tp_size: int | None = Field(None, ge=1)
+    ep_size: int | None = Field(None, ge=1)
+    num_draft_tokens: int | None = Field(None, ge=0)
+    share_topk: bool | None = None
+    device: str | None = None
     # Other `EngineConfig` fields (max_num_seqs, max_model_len, num_kv_blocks,
     # max_queued_requests, executor, ...), passed through unchanged.
     engine: dict[str, Any] = Field(default_factory=dict)
@@ -76,29 +79,42 @@ class AppArgs(BaseModel):
     # Clients must send `Authorization: Bearer <api_key>` (deploy/auth.py); None: no key.
     api_key: str | None = None
 
+    @model_validator(mode="after")
+    def _one_value_per_option(self) -> AppArgs:
+        for name in APP_ENGINE_FIELDS:
+            mine, theirs = getattr(self, name), self.engine.get(name)
+            if mine is not None and theirs is not None and mine != theirs:
+                raise ValueError(f"{name}={mine} contradicts engine.{name}={theirs}")
+        return self
+
+    def engine_option(self, name: str) -> Any:
+        """An engine option as the engine will see it: set here, in `engine`, or its default."""
+        value = self.engine_options().get(name)
+        return EngineConfig.default(name) if value is None else value
+
+    def engine_options(self) -> dict[str, Any]:
+        """The EngineConfig fields set, here or in `engine` (model excluded)."""
+        named = {n: getattr(self, n) for n in APP_ENGINE_FIELDS if getattr(self, n) is not None}
+        return {"actor_num_cpus": self.actor_num_cpus, **named, **self.engine}
+
     @property
     def num_worker_ranks(self) -> int:
-        return max(self.tp_size, self.ep_size)
+        return max(self.engine_option("tp_size"), self.engine_option("ep_size"))
+
+
+# Engine options AppArgs names as its own fields (besides those it also uses for resources).
+APP_ENGINE_FIELDS = ("tp_size", "ep_size", "num_draft_tokens", "share_topk", "device")
 
 
 def engine_config_dict(args: AppArgs) -> dict[str, Any]:
     """`model` stays None for the default model: each replica resolves it on its own node."""
-    return {
-        "model": args.model,
-        "tp_size": args.tp_size,
-        "ep_size": args.ep_size,
-        "num_draft_tokens": args.num_draft_tokens,
-        "share_topk": args.share_topk,
-        "device": args.device,
-        "actor_num_cpus": args.actor_num_cpus,
-        **args.engine,
-    }
+    return {"model": args.model, **args.engine_options()}
 
 
 def _gpus_per_worker(args: AppArgs) -> float:
     if args.gpus_per_worker is not None:
         return args.gpus_per_worker
-    if args.device == "cpu":
+    if args.engine_option("device") == "cpu":
         return 0.0
     # The builder runs inside the cluster (serve run/deploy, or the CLI's driver).
     return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
@@ -150,9 +166,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         routing["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,
             request_router_kwargs={
-                "block_size_tokens": args.engine.get(
-                    "block_size_tokens", DEFAULT_BLOCK_SIZE_TOKENS
-                ),
+                "block_size_tokens": args.engine_option("block_size_tokens"),
             },
         )
     model_server = serve.deployment(ModelServer).options(

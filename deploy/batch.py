@@ -151,7 +151,8 @@ class BatchRunner:
                 if isinstance(kwargs.get("logit_bias"), dict):
                     kwargs["logit_bias"] = _token_keyed(kwargs["logit_bias"])
                 kwargs.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-                params = SamplingParams(**kwargs)
+                # The checkpoint's sampling defaults where the row leaves a field out.
+                params = SamplingParams(**{**self._engine.sampling_defaults, **kwargs})
                 params.validate()
                 prompt_ids = _prompt_token_ids(request, self._engine.tokenizer)
                 last = None

@@ -15,9 +15,6 @@ import sys
 
 from deploy.engine_args import add_engine_args, engine_options
 
-# Engine options that AppArgs takes as its own fields rather than in its `engine` dict.
-APP_ENGINE_FIELDS = ("tp_size", "ep_size", "num_draft_tokens", "share_topk", "device")
-
 
 class EngineArgsError(ValueError):
     pass
@@ -76,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(generate)
     generate.add_argument("--prompt", required=True, help="the text to complete")
     generate.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0: greedy (default: the checkpoint's generation_config.json, else greedy)",
+    )
     generate.add_argument("--seed", type=int, default=None, help="the sampler's seed")
     generate.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -101,13 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from cluster.config import ConfigError
     from deploy.local_server import PortInUseError
     from workers.loader import CheckpointError
     from workers.model_config import ModelConfigError
 
     try:
         return _run(args)
-    except (CheckpointError, ModelConfigError) as e:  # the user's checkpoint or options
+    except (CheckpointError, ModelConfigError, ConfigError) as e:  # the checkpoint or options
         parser.exit(2, f"mtpserve: error: {e}\n")
     except EngineArgsError as e:
         parser.exit(2, f"mtpserve: error: {e}\n")
@@ -160,21 +163,23 @@ def _run(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "serve":
+        from cluster.config import EngineConfig, read_checkpoint, resolve_config
         from deploy.app import AppArgs
         from deploy.local_server import serve_until_interrupted
-        from workers.model_config import check_checkpoint
+        from workers.default_model import default_model_path
+        from workers.model_config import check_model_config
 
         engine = _engine_options(args)
-        check_checkpoint(  # before Ray starts
-            args.model, engine.get("tp_size", 1), engine.get("ep_size", 1)
-        )
         if args.served_model_name is not None:
             engine["served_model_name"] = args.served_model_name
-        # AppArgs names these itself; the rest are EngineConfig fields it passes on.
-        own = {k: engine.pop(k) for k in APP_ENGINE_FIELDS if k in engine}
+        # The checkpoint against the options before Ray starts (each replica resolves again,
+        # on its own node, and logs what it chose).
+        config = EngineConfig(model=args.model or default_model_path(), **engine)
+        checkpoint = read_checkpoint(config.model)
+        check_model_config(checkpoint.model_config, config.tp_size, config.ep_size)
+        resolve_config(config, checkpoint)
         app_args = AppArgs(
             model=args.model,
-            **own,
             engine=engine,
             actor_num_cpus=args.actor_num_cpus,
             replica_num_cpus=args.replica_num_cpus,

@@ -9,6 +9,8 @@ import argparse
 import json
 from typing import Any
 
+from cluster.config import DEFAULT_NUM_DRAFT_TOKENS, KV_CACHE_DTYPES, EngineConfig
+
 SPECULATIVE_METHODS = ("mtp", "deepseek_mtp")  # vLLM's names for DeepSeek's MTP layer
 
 
@@ -37,13 +39,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         help='MTP speculative decoding as vLLM takes it: \'{"method": "mtp", '
-        '"num_speculative_tokens": 3}\' (0 turns it off)',
+        '"num_speculative_tokens": 3}\' (0 turns it off; default: on, with '
+        f"k = {DEFAULT_NUM_DRAFT_TOKENS}, when the checkpoint has an MTP layer)",
     )
     parser.add_argument(
         "--num-draft-tokens",
         type=int,
         default=None,
-        help="MTP draft length k, short for --speculative-config (default 0: off)",
+        help="MTP draft length k, short for --speculative-config (default: "
+        f"{DEFAULT_NUM_DRAFT_TOKENS} when the checkpoint has an MTP layer, else 0; 0: off)",
     )
     parser.add_argument(
         "--share-topk",
@@ -52,7 +56,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="MTP draft steps 1..k-1 reuse draft step 0's top-k indices",
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=None, help="context length served, in tokens"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length served, in tokens (default: the checkpoint's whole context, "
+        "or what the KV cache holds if less)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="sequences in one engine step at most"
@@ -74,6 +82,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="reuse the KV of full 64-token blocks an earlier prompt computed (default: on)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=list(KV_CACHE_DTYPES),
+        help="dtype of the KV caches (default auto: the model's dtype; fp8 is not supported yet)",
     )
     parser.add_argument(
         "--device",
@@ -118,7 +132,7 @@ def _num_draft_tokens(args: argparse.Namespace) -> int | None:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The `EngineConfig` fields the user set (model excluded). Raises ValueError on a bad
-    --speculative-config."""
+    --speculative-config or options EngineConfig refuses (checked here, before any start-up)."""
     options = {
         "tp_size": args.tp_size,
         "ep_size": args.ep_size,
@@ -131,5 +145,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": args.enable_prefix_caching,
         "device": args.device,
         "indexer_numerics": args.indexer_numerics,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
-    return {name: value for name, value in options.items() if value is not None}
+    options = {name: value for name, value in options.items() if value is not None}
+    EngineConfig(model="", **options)  # its checks, without reading the checkpoint
+    return options

@@ -445,7 +445,7 @@ class OpenAIIngress:
         """Plan the choices, start them on the engine and merge their streams:
         (request id, plans, merged stream), or the error response to send instead."""
         try:
-            plans = plan_fn(request, prompts, info.max_model_len)
+            plans = plan_fn(request, prompts, info.max_model_len, info.sampling_defaults)
         except ValueError as exc:  # InvalidRequestError is one
             return error_response(
                 400,

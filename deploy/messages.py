@@ -54,3 +54,5 @@ class ModelInfo:
     model_name: str
     max_model_len: int
     model_dir: str
+    # SamplingParams fields for requests that omit them: the checkpoint's generation_config.json
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)

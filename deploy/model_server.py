@@ -129,7 +129,7 @@ class ModelServer:
             time.perf_counter() - started,
             warm_up.seconds,
             warm_up.num_graphs,
-            self._config,
+            self._engine.engine.config,  # resolved: the draft length and context chosen
         )
         self._metrics = EngineMetrics(self._engine.model_name)
         self._stats_task: asyncio.Task | None = None
@@ -142,6 +142,7 @@ class ModelServer:
             model_name=self._engine.model_name,
             max_model_len=self._engine.max_model_len,
             model_dir=self._config.model,
+            sampling_defaults=self._engine.sampling_defaults,
         )
 
     def engine_stats(self) -> dict:

@@ -10,23 +10,29 @@ def generate_once(
     prompt: str,
     *,
     max_tokens: int,
-    temperature: float,
+    temperature: float | None = None,
     seed: int | None = None,
     **engine_options: Any,
 ) -> dict[str, Any]:
     """Generate one completion; returns the fields `mtpserve generate --json` prints.
 
     `engine_options` are `EngineConfig` fields (num_draft_tokens, share_topk, tp_size, ...).
+    `temperature` None: the checkpoint's (generation_config.json), else greedy; its other
+    sampling defaults (top_p, top_k, ...) apply too.
     """
     from cluster.llm import LLM
-    from cluster.sampling_params import SamplingParams
 
     if model is None:
         from workers.default_model import default_model_path
 
         model = default_model_path()
     llm = LLM(model, **engine_options)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    explicit = {"max_tokens": max_tokens, "seed": seed}
+    if temperature is not None:
+        explicit["temperature"] = temperature
+    elif "temperature" not in llm.engine.sampling_defaults:
+        explicit["temperature"] = 0.0  # greedy, what `mtpserve generate` always did
+    params = llm.engine.default_sampling_params(**explicit)
     params.validate()
     [out] = llm.generate([prompt], params)
     spec = out.spec

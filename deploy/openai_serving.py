@@ -232,10 +232,12 @@ def sampling_params(
     max_tokens: int,
     num_logprobs: int | None,
     choice_index: int,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Engine parameters for choice `choice_index`. Unset fields keep the engine's defaults;
-    the engine validates values and raises `InvalidRequestError` (-> 400)."""
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    """Engine parameters for choice `choice_index`. Unset fields take `defaults` (the
+    checkpoint's generation_config.json), then the engine's; values the request sets win. The
+    engine validates values and raises `InvalidRequestError` (-> 400)."""
+    kwargs: dict[str, Any] = {**(defaults or {}), "max_tokens": max_tokens}
     if request.temperature is not None:
         kwargs["temperature"] = request.temperature
     if request.top_p is not None:
@@ -278,7 +280,10 @@ def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
 
 
 def plan_completion(
-    request: CompletionRequest, prompts: list[list[int]], max_model_len: int
+    request: CompletionRequest,
+    prompts: list[list[int]],
+    max_model_len: int,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> list[ChoicePlan]:
     max_tokens = request.max_tokens if request.max_tokens is not None else 16
     plans = []
@@ -286,7 +291,11 @@ def plan_completion(
         check_room(len(prompt_ids), request.max_tokens, max_model_len)
         for i in range(request.n):
             params = sampling_params(
-                request, max_tokens=max_tokens, num_logprobs=request.logprobs, choice_index=i
+                request,
+                max_tokens=max_tokens,
+                num_logprobs=request.logprobs,
+                choice_index=i,
+                defaults=sampling_defaults,
             )
             plans.append(
                 ChoicePlan(len(plans), prompt_index, prompt_ids, params, bool(request.stream))
@@ -295,7 +304,10 @@ def plan_completion(
 
 
 def plan_chat(
-    request: ChatCompletionRequest, prompt_ids: list[int], max_model_len: int
+    request: ChatCompletionRequest,
+    prompt_ids: list[int],
+    max_model_len: int,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> list[ChoicePlan]:
     max_tokens = request.max_completion_tokens or request.max_tokens
     check_room(len(prompt_ids), max_tokens, max_model_len)
@@ -310,7 +322,11 @@ def plan_chat(
             0,
             prompt_ids,
             sampling_params(
-                request, max_tokens=max_tokens, num_logprobs=num_logprobs, choice_index=i
+                request,
+                max_tokens=max_tokens,
+                num_logprobs=num_logprobs,
+                choice_index=i,
+                defaults=sampling_defaults,
             ),
             bool(request.stream),
         )

@@ -35,7 +35,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 from cluster.block_manager import block_key
 from cluster.config import EngineConfig
 
-DEFAULT_BLOCK_SIZE_TOKENS = EngineConfig.__dataclass_fields__["block_size_tokens"].default
+DEFAULT_BLOCK_SIZE_TOKENS = EngineConfig.default("block_size_tokens")
 # Keys remembered per router: 200k blocks of 64 tokens = 12.8M tokens of prompts (~40 MB).
 DEFAULT_MAX_KEYS = 200_000
 DEFAULT_MAX_IMBALANCE = 8  # requests

@@ -1,7 +1,7 @@
 """Where kernels run: the one PDL gate, whether Triton kernels are used at all, and the one
 place Triton is imported.
 
-Environment variables are read here and nowhere else in `kernels/`.
+Environment variables come from `kernels.settings`, read once.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from kernels.settings import settings
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +65,13 @@ else:
     HAS_TRITON = True
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def triton_interpreter() -> bool:
-    return _env_flag("TRITON_INTERPRET")
+    return settings().triton_interpret
 
 
 def force_reference() -> bool:
     """MTPSERVE_FORCE_REFERENCE=1 makes every op run its pure-torch twin."""
-    return _env_flag("MTPSERVE_FORCE_REFERENCE")
+    return settings().force_reference
 
 
 @functools.cache
@@ -88,7 +86,7 @@ def pdl_enabled(device: torch.device | None = None) -> bool:
     interpreter, and unless MTPSERVE_DISABLE_PDL=1. Every USE_PDL constexpr, every `launch_pdl=`
     keyword, every warm-up enumeration and DeepGEMM's set_pdl asks this function.
     """
-    if _env_flag("MTPSERVE_DISABLE_PDL") or triton_interpreter():
+    if settings().disable_pdl or triton_interpreter():
         return False
     if device is not None and device.type != "cuda":
         return False
@@ -105,11 +103,10 @@ def ensure_triton_cache_dir() -> str:
     `$XDG_CACHE_HOME/mtpserve/triton` (`~/.cache/...`), which this sets for the process (and the
     processes it starts) before anything compiles: kernels compiled once load from there after a
     restart instead of compiling again. Returns the directory."""
-    path = os.environ.get("TRITON_CACHE_DIR")
+    path = settings().triton_cache_dir
     if not path:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = os.path.join(base, "mtpserve", "triton")
-        os.environ["TRITON_CACHE_DIR"] = path
+        path = os.path.join(settings().cache_home, "triton")
+        os.environ["TRITON_CACHE_DIR"] = path  # for Triton, in this process and its children
     os.makedirs(path, exist_ok=True)
     return path
 

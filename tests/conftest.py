@@ -18,6 +18,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _settings_follow_the_environment():
+    """Tests change the environment (monkeypatch.setenv) and undo it: the settings the code
+    reads once per process follow it during the test and are read afresh after it."""
+    from kernels.settings import reload_settings
+
+    reload_settings()
+    yield
+    reload_settings()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """The tiny random checkpoint, made once per test session."""

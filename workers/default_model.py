@@ -13,8 +13,9 @@ SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "default_model")
 
 
 def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "mtpserve")
+    from kernels.settings import settings
+
+    return settings().cache_home
 
 
 def default_model_path() -> str:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import torch
 
-# Slots a sequence may hold past max_model_len: the MTP draft steps' lookahead (k - 1 slots).
-MAX_LOOKAHEAD_SLOTS = 16
 
-
-def max_blocks_per_seq(max_model_len: int, block_size_tokens: int) -> int:
-    """Block-table entries one sequence may need, lookahead included."""
-    return -(-(max_model_len + MAX_LOOKAHEAD_SLOTS) // block_size_tokens)
+def max_blocks_per_seq(max_seq_slots: int, block_size_tokens: int) -> int:
+    """Block-table entries one sequence may need: `max_seq_slots` is its context plus the MTP
+    lookahead (cluster.config's `EngineConfig.max_seq_slots`)."""
+    return -(-max_seq_slots // block_size_tokens)
 
 
 def cache_bytes_per_block(

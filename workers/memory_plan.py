@@ -65,7 +65,7 @@ def plan_memory(
     from parallel.state import ParallelState, get_parallel_state, set_parallel_state
     from workers.loader import has_mtp_layer, keep_fp8_weights, load_config
     from workers.model import DeepseekV32ForCausalLM
-    from workers.model_config import check_model_config
+    from workers.model_config import check_model_config, context_len
 
     config = load_config(model_dir)
     check_model_config(config, tp_size, ep_size)
@@ -100,7 +100,7 @@ def plan_memory(
     total = int(gpu_memory_gib * 2**30)
     budget = max(0, int(total * utilization) - per_rank)
     max_cached = budget // kv_per_token
-    context = max_model_len or config.max_position_embeddings
+    context = max_model_len or context_len(config)  # the engine's default context
     return MemoryPlan(
         tp_size=tp_size,
         ep_size=ep_size,

@@ -59,6 +59,14 @@ class ModelConfigError(ValueError):
     pass
 
 
+def context_len(config) -> int:
+    """The whole context a checkpoint was made for: `max_position_embeddings`. transformers
+    takes it as the context after RoPE scaling, not before: YaRN's factor, when the config gives
+    none, is `max_position_embeddings / original_max_position_embeddings`, and no factor is
+    applied on top of it (DeepSeek-V3.2: 163840 = 40 x 4096)."""
+    return int(config.max_position_embeddings)
+
+
 def _split(errors: list[str], what: str, value: int, size: int, parallel: str) -> None:
     if value % size:
         errors.append(f"{what}={value} does not split over {parallel}={size}")
@@ -124,11 +132,3 @@ def check_model_config(config, tp_size: int = 1, ep_size: int = 1) -> None:
         )
     if errors:
         raise ModelConfigError("invalid model config: " + "; ".join(errors))
-
-
-def check_checkpoint(model_dir: str | None, tp_size: int = 1, ep_size: int = 1) -> None:
-    """check_model_config on a checkpoint directory's config.json (None: the default model)."""
-    from workers.default_model import default_model_path
-    from workers.loader import load_config
-
-    check_model_config(load_config(model_dir or default_model_path()), tp_size, ep_size)

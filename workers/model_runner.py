@@ -43,7 +43,7 @@ class ModelRunner:
         block_size_tokens: int,
         device: torch.device,
         cuda_graph_max_batch: int = 0,
-        max_model_len: int = 8192,
+        max_seq_slots: int = 8192,  # context + MTP lookahead: the block tables' width
     ):
         self.model = model
         self.device = device
@@ -62,7 +62,7 @@ class ModelRunner:
         if device.type == "cuda" and cuda_graph_max_batch > 0:
             from workers.cuda_graph import DecodeGraphs
 
-            max_blocks = max_blocks_per_seq(max_model_len, block_size_tokens)
+            max_blocks = max_blocks_per_seq(max_seq_slots, block_size_tokens)
             self.graphs = DecodeGraphs(model, cuda_graph_max_batch, max_blocks, device)
         self.proposer = (
             MtpProposer(model, block_size_tokens, self.graphs) if model.mtp is not None else None

@@ -52,7 +52,8 @@ class WorkerSpec:
     topk_src_rank: int | None  # see workers.model.Indexer.src_tp_rank
     collective_timeout_s: float  # every collective of the group; a hung peer becomes an error
     cuda_graph_max_batch: int = 0  # 0: eager decode steps
-    max_model_len: int = 8192
+    # KV slots one sequence may own: the context plus the MTP lookahead (block-table width)
+    max_seq_slots: int = 8192
     max_num_seqs: int = 64
     indexer_numerics: str = "exact"
 
@@ -94,7 +95,7 @@ class Worker:
         cpu_threads: int | None = None,
         topk_src_rank: int | None = None,
         cuda_graph_max_batch: int = 0,
-        max_model_len: int = 8192,
+        max_seq_slots: int = 8192,
         max_num_seqs: int = 64,
         indexer_numerics: str = "exact",
     ):
@@ -113,7 +114,10 @@ class Worker:
         self.model.set_indexer_numerics(indexer_numerics)
         if num_kv_blocks is None:
             num_kv_blocks = self._kv_blocks_from_memory(
-                block_size_tokens, gpu_memory_utilization, max_num_seqs, max_model_len
+                block_size_tokens,
+                gpu_memory_utilization,
+                max_num_seqs,
+                max_seq_slots,
             )
         self.num_kv_blocks = num_kv_blocks
         self.runner = ModelRunner(
@@ -122,7 +126,7 @@ class Worker:
             block_size_tokens,
             self.device,
             cuda_graph_max_batch,
-            max_model_len,
+            max_seq_slots,
         )
 
     @classmethod
@@ -138,7 +142,7 @@ class Worker:
             cpu_threads=spec.cpu_threads,
             topk_src_rank=spec.topk_src_rank,
             cuda_graph_max_batch=spec.cuda_graph_max_batch,
-            max_model_len=spec.max_model_len,
+            max_seq_slots=spec.max_seq_slots,
             max_num_seqs=spec.max_num_seqs,
             indexer_numerics=spec.indexer_numerics,
         )
@@ -148,19 +152,25 @@ class Worker:
         return self.model.mtp is not None
 
     def _kv_blocks_from_memory(
-        self, block_size_tokens: int, utilization: float, max_num_seqs: int, max_model_len: int
+        self,
+        block_size_tokens: int,
+        utilization: float,
+        max_num_seqs: int,
+        max_seq_slots: int,
     ) -> int:
-        """Blocks for max_num_seqs full-length sequences, or what free memory allows if less;
-        never fewer than one full-length sequence needs."""
-        per_seq = max_blocks_per_seq(max_model_len, block_size_tokens)
+        """Blocks for max_num_seqs full-length sequences, or what memory allows if less (on
+        CPU, CPU_DEFAULT_KV_BLOCKS). The engine lowers a context that does not fit the pool
+        (cluster.config.fit_context), so memory bounds the pool, not the context."""
+        per_seq = max_blocks_per_seq(max_seq_slots, block_size_tokens)
         wanted = max_num_seqs * per_seq + 1
+        floor = 2  # the null block and one more
         if self.device.type != "cuda":
-            return min(wanted, CPU_DEFAULT_KV_BLOCKS)
+            return max(min(wanted, CPU_DEFAULT_KV_BLOCKS), floor)
         free, total = torch.cuda.mem_get_info(self.device)
         # Leave room for activations and graphs: utilization of total minus what is in use.
         budget = max(0, int(total * utilization) - (total - free))
         per_block = cache_bytes_per_block(self.config, block_size_tokens, self.dtype, self.has_mtp)
-        blocks = max(min(budget // per_block, wanted), per_seq + 1)
+        blocks = max(min(budget // per_block, wanted), floor)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB; GPU free %.1f of %.1f GiB)",
             blocks,

@@ -21,7 +21,11 @@ def _greedy(n: int) -> SamplingParams:
 
 @pytest.fixture
 def engine(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_queued_requests=2))
+    engine = AsyncEngine(
+        EngineConfig(
+            model=tiny_model_dir, num_draft_tokens=0, dtype="float32", max_queued_requests=2
+        )
+    )
     yield engine
     asyncio.run(engine.shutdown())
 
@@ -33,7 +37,9 @@ async def _collect(engine, prompt, params, request_id=None):
 
 def test_stream_deltas_add_up_to_the_offline_result(engine, tiny_model_dir):
     outs = asyncio.run(_collect(engine, PROMPT, _greedy(12)))
-    expected = LLM(tiny_model_dir, dtype="float32").generate([PROMPT], _greedy(12))[0]
+    expected = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32").generate(
+        [PROMPT], _greedy(12)
+    )[0]
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert [t for o in outs for t in o.new_token_ids] == expected.token_ids
     assert "".join(o.new_text for o in outs) == expected.text
@@ -65,7 +71,11 @@ def test_bad_input_is_an_invalid_request(engine):
 def test_queue_past_max_queued_requests_is_overload(tiny_model_dir):
     # One running sequence at a time and at most 2 waiting: of 4 long requests one is refused.
     config = EngineConfig(
-        model=tiny_model_dir, dtype="float32", max_queued_requests=2, max_num_seqs=1
+        model=tiny_model_dir,
+        num_draft_tokens=0,
+        dtype="float32",
+        max_queued_requests=2,
+        max_num_seqs=1,
     )
     engine = AsyncEngine(config)
 

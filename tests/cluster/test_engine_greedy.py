@@ -47,7 +47,7 @@ def reference(tiny_model_dir, prompts):
 
 
 def test_greedy_without_mtp_matches_transformers(tiny_model_dir, prompts, reference):
-    outs = LLM(tiny_model_dir, dtype="float32").generate(prompts, _greedy())
+    outs = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32").generate(prompts, _greedy())
     assert [o.token_ids for o in outs] == reference
 
 
@@ -146,7 +146,7 @@ def test_chunked_prefill_gives_the_mtp_layer_every_position():
     text = (
         "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
     )
-    prompt = LLM(model, dtype="float32").tokenizer.encode(text * 4)[:100]
+    prompt = LLM(model, num_draft_tokens=0, dtype="float32").tokenizer.encode(text * 4)[:100]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     caches, tokens = {}, {}
     assert len(prompt) > 64  # at least three chunks of 32

@@ -60,7 +60,7 @@ def _converse(llm: LLM, system: list[int], users) -> list[list[int]]:
 def _llm(model_dir: str, **options) -> LLM:
     # Chunks of 48 tokens: turn 1's prefills are admitted over several steps, so later
     # conversations hit the system prompt's blocks that earlier ones published.
-    options = {"max_num_batched_tokens": 48, "max_num_seqs": 8, **options}
+    options = {"max_num_batched_tokens": 48, "max_num_seqs": 8, "num_draft_tokens": 0, **options}
     return LLM(model_dir, dtype="float32", block_size_tokens=BLOCK, **options)
 
 

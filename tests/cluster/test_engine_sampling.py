@@ -41,8 +41,10 @@ def test_seeded_sampling_survives_preemption(tiny_model_dir):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (40, 35, 50, 45, 30)]
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=11, ignore_eos=True)
-    roomy = LLM(tiny_model_dir, dtype="float32")
-    tight = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=4, max_model_len=128)
+    roomy = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32")
+    tight = LLM(
+        tiny_model_dir, num_draft_tokens=0, dtype="float32", num_kv_blocks=4, max_model_len=128
+    )
     preempted = []
     original = tight.engine.scheduler._preempt
     tight.engine.scheduler._preempt = lambda r, o: (preempted.append(r.request_id), original(r, o))

@@ -34,9 +34,10 @@ def free_port() -> int:
 
 
 def app_args(model_dir: str, **engine) -> dict:
-    """Build args for a CPU-only test deployment of the tiny model."""
+    """Build args for a CPU-only test deployment of the tiny model, MTP off unless asked."""
     return {
         "model": model_dir,
+        "num_draft_tokens": engine.pop("num_draft_tokens", 0),
         "device": "cpu",
         "replica_num_cpus": SMALL_CPU,
         "actor_num_cpus": SMALL_CPU,
@@ -242,4 +243,4 @@ def offline_llm(tiny_model_dir):
     """The reference the served paths must match: the offline engine on the same checkpoint."""
     from cluster.llm import LLM
 
-    return LLM(tiny_model_dir, device="cpu")
+    return LLM(tiny_model_dir, num_draft_tokens=0, device="cpu")

@@ -45,7 +45,7 @@ def test_bad_rows_fail_alone(tiny_model_dir, tmp_path, offline_llm):
     input_path.write_text("\n".join(rows) + "\n")
 
     async def run():
-        engine = AsyncEngine(EngineConfig(tiny_model_dir, device="cpu"))
+        engine = AsyncEngine(EngineConfig(tiny_model_dir, num_draft_tokens=0, device="cpu"))
         try:
             runner = await run_batch(str(input_path), str(output_path), engine, 16, False)
             return runner, engine.is_dead

@@ -44,7 +44,7 @@ def prefix_app(serve_url, tiny_model_dir):
 def reference_llm(tiny_model_dir):
     from cluster.llm import LLM
 
-    return LLM(tiny_model_dir, dtype="float32", enable_prefix_caching=False)
+    return LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", enable_prefix_caching=False)
 
 
 def _reference(llm, prompt_ids: list[int]):

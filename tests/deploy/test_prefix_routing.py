@@ -85,7 +85,9 @@ def test_two_replicas_route_each_conversation_to_its_prefix(serve_url, tiny_mode
     from cluster.sampling_params import SamplingParams
     from deploy.app import build_app
 
-    reference = LLM(tiny_model_dir, dtype="float32", enable_prefix_caching=False)
+    reference = LLM(
+        tiny_model_dir, num_draft_tokens=0, dtype="float32", enable_prefix_caching=False
+    )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     args = {**app_args(tiny_model_dir, block_size_tokens=BLOCK), "num_replicas": 2}
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")

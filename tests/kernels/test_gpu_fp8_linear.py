@@ -9,6 +9,7 @@ import torch
 from kernels.fp8 import fp8_linear_reference, quantize_fp8_reference
 from kernels.fp8_linear import fp8_linear_triton
 from kernels.platform import pdl_enabled
+from kernels.settings import reload_settings
 from tests.kernels.conftest import assert_close
 
 pytestmark = [
@@ -51,8 +52,10 @@ def test_fp8_linear_pdl_on_and_off_identical_over_graph_replays(monkeypatch) -> 
     def run(disable: bool):
         if disable:
             monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
+            reload_settings()  # the code reads the environment once
         else:
             monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
+            reload_settings()  # the code reads the environment once
 
         def step():
             return [fp8_linear_triton(x, w, s) for w, s in weights]

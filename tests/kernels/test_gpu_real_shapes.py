@@ -20,6 +20,7 @@ from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.platform import pdl_enabled
 from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from kernels.rope import rope_cos_sin, rope_reference, rope_triton
+from kernels.settings import reload_settings
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 from tests.kernels.conftest import assert_close, overlap
 
@@ -246,8 +247,10 @@ def _graph_replays(step, num_replays: int) -> tuple[tuple[torch.Tensor, ...], in
 def test_pdl_on_and_off_identical_over_graph_replays(experts, monkeypatch) -> None:
     assert pdl_enabled(CUDA), "this test is meant for Hopper or newer"
     monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
+    reload_settings()  # the code reads the environment once
     with_pdl, mismatches_on = _graph_replays(_decode_chain(experts), 1000)
     monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
+    reload_settings()  # the code reads the environment once
     assert not pdl_enabled(CUDA)
     without_pdl, mismatches_off = _graph_replays(_decode_chain(experts), 1000)
     assert mismatches_on == 0 and mismatches_off == 0

@@ -19,6 +19,7 @@ from kernels import (
     rope,
     sparse_mla,
 )
+from kernels.settings import reload_settings
 
 TWINS = {
     "rms_norm": rmsnorm.rms_norm_reference,
@@ -53,6 +54,7 @@ def test_use_triton_policy(monkeypatch, force_reference, device, expect) -> None
 
     monkeypatch.setenv("MTPSERVE_FORCE_REFERENCE", force_reference)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter never routes the model to Triton
+    reload_settings()  # the code reads the environment once
     assert use_triton(torch.device(device)) == (expect == "triton")
 
 

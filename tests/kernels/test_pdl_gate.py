@@ -47,6 +47,7 @@ from kernels.rmsnorm import (
     rms_norm_triton,
 )
 from kernels.rope import rope_reference, rope_triton
+from kernels.settings import reload_settings
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 from tests.kernels.conftest import INTERPRETER
 
@@ -234,6 +235,7 @@ def fake_platform(monkeypatch):
         monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
     monkeypatch.setattr(launch_module, "kernel_device", lambda tensor: torch.device("cuda", 0))
     monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
+    reload_settings()  # the code reads the environment once
     yield monkeypatch
     platform._cuda_capability.cache_clear()
 
@@ -256,6 +258,7 @@ def _xpu(mp):
 
 def _interpreter(mp):
     mp.setenv("TRITON_INTERPRET", "1")
+    reload_settings()  # the code reads the environment once
 
 
 def _sm80(mp):
@@ -265,6 +268,7 @@ def _sm80(mp):
 
 def _env_off(mp):
     mp.setenv("MTPSERVE_DISABLE_PDL", "1")
+    reload_settings()  # the code reads the environment once
     _not_interpreted(mp)
 
 

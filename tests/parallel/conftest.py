@@ -53,5 +53,5 @@ def tp1_tokens(tiny_model_dir, prompts) -> list[list[int]]:
     """The reference: greedy tokens at TP=1, in-process, without MTP."""
     from cluster.llm import LLM
 
-    llm = LLM(tiny_model_dir, dtype="float32")
+    llm = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32")
     return [o.token_ids for o in llm.generate(prompts, greedy_params())]

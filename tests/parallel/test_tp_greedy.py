@@ -71,6 +71,7 @@ def test_auto_executor_picks_ray_for_tp2(ray_local, tiny_model_dir, prompts, tp1
 
     llm = LLM(
         tiny_model_dir,
+        num_draft_tokens=0,
         tp_size=2,
         dtype="float32",
         actor_num_cpus=0.5,
@@ -100,7 +101,12 @@ def test_tp_greedy_on_the_config_family(ray_local, tmp_path_factory, prompts, se
     model_dir = make_tiny_model(
         str(tmp_path_factory.mktemp(f"family-{seed}")), seed, mtp_echo=0.1, **random_config(seed)
     )
-    want = [o.token_ids for o in LLM(model_dir, dtype="float32").generate(prompts, greedy_params())]
+    want = [
+        o.token_ids
+        for o in LLM(model_dir, num_draft_tokens=0, dtype="float32").generate(
+            prompts, greedy_params()
+        )
+    ]
     llm = LLM(
         model_dir,
         tp_size=2,

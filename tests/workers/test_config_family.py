@@ -106,7 +106,7 @@ def check_config(model_dir: str) -> int:
         assert run_mixed_batch_parity(model_dir) < ATOL
     prompts = _prompts(512)
     reference = _transformers_greedy(model_dir, prompts)
-    plain = LLM(model_dir, dtype="float32").generate(prompts, _greedy())
+    plain = LLM(model_dir, num_draft_tokens=0, dtype="float32").generate(prompts, _greedy())
     assert [o.token_ids for o in plain] == reference
     accepted = 0
     for k in (1, 2, 3):

@@ -20,7 +20,7 @@ def prompts():
 
 
 def _tokens(model_dir, prompts, **kw):
-    llm = LLM(model_dir, device="cuda", **kw)
+    llm = LLM(model_dir, device="cuda", **{"num_draft_tokens": 0, **kw})
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
@@ -30,7 +30,7 @@ def _tokens(model_dir, prompts, **kw):
 def test_gpu_fp32_matches_cpu_reference(tiny_model_dir, prompts):
     reference = [
         o.token_ids
-        for o in LLM(tiny_model_dir, device="cpu", dtype="float32").generate(
+        for o in LLM(tiny_model_dir, num_draft_tokens=0, device="cpu", dtype="float32").generate(
             prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         )
     ]
@@ -60,7 +60,7 @@ def test_gpu_mtp_last_round_past_the_allocated_blocks(tiny_model_dir, prompts):
     over a block, some padded row lies past it."""
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     options = dict(device="cuda", dtype="bfloat16", block_size_tokens=16)
-    eager = LLM(tiny_model_dir, enforce_eager=True, **options)
+    eager = LLM(tiny_model_dir, enforce_eager=True, num_draft_tokens=0, **options)
     mtp = LLM(tiny_model_dir, num_draft_tokens=3, **options)
     for n in range(8, 25):
         prompt = prompts[1][:n]  # 41 tokens
@@ -84,7 +84,7 @@ def test_gpu_graphed_proposals_match_eager_on_the_trained_model():
     from workers.default_model import default_model_path
 
     model = default_model_path()
-    llm = LLM(model, device="cuda", dtype="float32", enforce_eager=True)
+    llm = LLM(model, num_draft_tokens=0, device="cuda", dtype="float32", enforce_eager=True)
     prompts = [
         llm.tokenizer.encode("import os\nimport sys\n\ndef main(argv):\n    ")[:64],
         llm.tokenizer.encode("class Parser:\n    def __init__(self, text):\n")[:64],
@@ -116,7 +116,10 @@ def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path):
     fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), _quantize_checkpoint)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     cpu = [
-        o.token_ids for o in LLM(fp8_dir, device="cpu", dtype="float32").generate(prompts, params)
+        o.token_ids
+        for o in LLM(fp8_dir, num_draft_tokens=0, device="cpu", dtype="float32").generate(
+            prompts, params
+        )
     ]
     gpu, llm = _tokens(fp8_dir, prompts, dtype="float32")
     q_a = llm.engine.executor.worker.model.model.layers[1].self_attn.q_a_proj

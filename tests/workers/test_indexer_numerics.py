@@ -53,7 +53,7 @@ def test_engine_option_reaches_the_model(tiny_model_dir):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompt = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     assert len(prompt) > model.config.index_topk
-    plain = LLM(tiny_model_dir, dtype="float32", indexer_numerics="fp8")
+    plain = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", indexer_numerics="fp8")
     assert (
         llm.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kernels.settings import reload_settings
 from workers.worker import WarmUp, Worker, warm_up_keys
 
 
@@ -98,8 +99,10 @@ def test_triton_cache_dir_is_persistent_unless_set(tmp_path, monkeypatch):
 
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    reload_settings()  # the code reads the environment once
     path = ensure_triton_cache_dir()
     assert path == str(tmp_path / "mtpserve" / "triton") == os.environ["TRITON_CACHE_DIR"]
     assert os.path.isdir(path)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    reload_settings()  # the code reads the environment once
     assert ensure_triton_cache_dir() == str(tmp_path / "mine")

@@ -1,0 +1,55 @@
+"""Every environment variable mtpserve reads, read in one place into one typed, frozen object.
+
+- `MTPSERVE_DISABLE_PDL=1` (`disable_pdl`): no programmatic dependent launch anywhere;
+- `MTPSERVE_FORCE_REFERENCE=1` (`force_reference`): every op runs its pure-torch twin;
+- `TRITON_INTERPRET=1` (`triton_interpret`): Triton's interpreter runs the kernels (no PDL);
+- `TRITON_CACHE_DIR` (`triton_cache_dir`): where compiled kernels go (unset: under
+  `cache_home`, `kernels.platform.ensure_triton_cache_dir`);
+- `XDG_CACHE_HOME` (`cache_home` = `$XDG_CACHE_HOME/mtpserve`, else `~/.cache/mtpserve`):
+  mtpserve's caches (the tiny model, compiled kernels).
+
+Flags are on for 1 / true / yes / on (any case). `settings()` reads the environment once per
+process; `reload_settings()` reads it again, for tests and benchmarks that change it at run
+time. It lives in `kernels/`, the bottom of the import order, so every package can ask it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Settings:
+    disable_pdl: bool
+    force_reference: bool
+    triton_interpret: bool
+    triton_cache_dir: str | None  # as the user set it; None: unset
+    cache_home: str  # mtpserve's cache directory (the tiny model, compiled kernels)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return cls(
+            disable_pdl=_flag(env, "MTPSERVE_DISABLE_PDL"),
+            force_reference=_flag(env, "MTPSERVE_FORCE_REFERENCE"),
+            triton_interpret=_flag(env, "TRITON_INTERPRET"),
+            triton_cache_dir=env.get("TRITON_CACHE_DIR") or None,
+            cache_home=os.path.join(base, "mtpserve"),
+        )
+
+
+@functools.cache
+def settings() -> Settings:
+    return Settings.from_env(os.environ)
+
+
+def reload_settings() -> Settings:
+    settings.cache_clear()
+    return settings()
