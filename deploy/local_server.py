@@ -1,10 +1,20 @@
-"""`mtpserve serve`: a local Ray, the Serve app on it, until Ctrl-C; then a clean shutdown."""
+"""`mtpserve serve`: a local Ray, the Serve app on it, until Ctrl-C; then a clean shutdown.
+
+What a user sees: one line per start-up stage with the time it took, the "serving at" line last
+(printed only once the model is loaded and warm), and on Ctrl-C or SIGTERM a "shutting down"
+line and exit status 0, with no traceback. Ray's and Serve's own INFO lines (cluster start,
+controller, proxies) are left out; their warnings and errors still show.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from cluster.ray_executor import LOOPBACK
 from deploy.app import AppArgs, build_app
@@ -14,6 +24,11 @@ logger = logging.getLogger(__name__)
 APP_NAME = "mtpserve"
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived before the server was up (a BaseException, as Ctrl-C's own, so
+    that no `except Exception` inside Ray's start-up calls swallows it)."""
+
+
 def start_local_ray(address: str = "local", num_cpus: int | None = None) -> None:
     """`address="local"` always starts a fresh single-node Ray (never attaches to another),
     with Ray's token auth on unless RAY_AUTH_MODE says otherwise (Ray's own servers listen on
@@ -21,21 +36,27 @@ def start_local_ray(address: str = "local", num_cpus: int | None = None) -> None
     joins that cluster with its own auth."""
     import ray
 
+    # Ray's and Serve's driver-side INFO lines (cluster started, Serve started, app ready) are
+    # not for users; Serve's logger has its own handler, so it is set apart.
+    quiet = logging.WARNING
+    logging.getLogger("ray.serve").setLevel(quiet)
     if address != "local":
-        ray.init(address=address)
+        ray.init(address=address, logging_level=quiet)
         return
-    ray.init(address="local", num_cpus=num_cpus, dashboard_host=LOOPBACK)
+    ray.init(address="local", num_cpus=num_cpus, dashboard_host=LOOPBACK, logging_level=quiet)
 
 
 def deploy(args: AppArgs, host: str, port: int) -> str:
-    """Deploy the app on the connected Ray; returns the base URL."""
+    """Deploy the app on the connected Ray; returns the base URL once it is ready (every
+    replica's engine loaded and warmed up)."""
     from ray import serve
 
     # The proxy's access log too: a log line per request costs the proxy ~20% of its CPU under
-    # load on the 2-core box (measured with benchmarks/bench_serve.py).
+    # load on the 2-core box (measured with benchmarks/bench_serve.py). The controller's and
+    # proxies' other INFO lines say what Serve does internally: warnings only.
     serve.start(
         http_options={"host": host, "port": port},
-        logging_config={"enable_access_log": args.access_log},
+        logging_config={"enable_access_log": args.access_log, "log_level": "WARNING"},
     )
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -43,27 +64,80 @@ def deploy(args: AppArgs, host: str, port: int) -> str:
 
 
 def shutdown() -> None:
+    """Delete the app (each replica drains its requests, up to its graceful_shutdown_timeout_s),
+    then leave Ray, which stops a local Ray with everything on it. Not serve.shutdown(): killing
+    the controller makes Ray print a task-retry warning at every Ctrl-C. On a cluster that this
+    process joined, the app is deleted and Serve itself keeps running for the cluster's other
+    apps."""
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        if ray.is_initialized():  # else interrupted before Ray was up (serve.* would start it)
+            serve.delete(APP_NAME)
     finally:
-        ray.shutdown()
+        ray.shutdown()  # also stops the processes of a local Ray interrupted while starting
 
 
-def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = "local") -> None:
-    """Start Ray, deploy, print the URL, block until SIGINT/SIGTERM, shut everything down."""
+def _say(message: str) -> None:
+    print(f"mtpserve: {message}", flush=True)
+
+
+@contextmanager
+def _stage(doing: str, done: str) -> Iterator[None]:
+    """Prints `doing...` now and `done in N s` after (stdout, so the two stay in order)."""
+    _say(f"{doing} ...")
+    started = time.perf_counter()
+    yield
+    _say(f"{done} in {time.perf_counter() - started:.1f} s")
+
+
+def _describe(args: AppArgs) -> str:
+    from workers.default_model import default_model_path
+
+    model = args.model or f"the default model ({default_model_path()})"
+    parallel = f", TP={args.tp_size}" if args.tp_size > 1 else ""
+    if args.ep_size > 1:
+        parallel += f", EP={args.ep_size}"
+    return f"{model} on {args.device}{parallel}"
+
+
+def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = "local") -> int:
+    """Start Ray, deploy, print the URL, block until SIGINT/SIGTERM, shut everything down.
+    Returns the exit status: 0 after serving, 130 when interrupted during start-up."""
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    start_local_ray(address)
+    started = threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        if started.is_set():
+            stop.set()  # the main thread wakes from stop.wait() and shuts down
+        else:
+            raise Interrupted(signal.Signals(signum).name)  # out of a blocking start-up call
+
+    def handle_signals() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, on_signal)
+
+    handle_signals()
     try:
-        url = deploy(args, host, port)
-        print(
-            f"mtpserve: serving an OpenAI-compatible API at {url}/v1 (Ctrl-C to stop)", flush=True
-        )
+        where = "a local Ray" if address == "local" else f"the Ray cluster at {address}"
+        with _stage(f"starting {where}", "Ray started"):
+            start_local_ray(address)
+        handle_signals()  # ray.init installs its own SIGTERM handler (sys.exit)
+        # On a GPU the first start also compiles the Triton kernels (cached for later starts).
+        with _stage(f"loading {_describe(args)} and warming it up", "model loaded and warmed up"):
+            url = deploy(args, host, port)
+        started.set()
+        _say(f"serving an OpenAI-compatible API at {url}/v1 (Ctrl-C to stop)")
         stop.wait()
-        print("mtpserve: shutting down", flush=True)
+        return 0
+    except Interrupted as why:
+        print(f"\nmtpserve: {why} during start-up", file=sys.stderr, flush=True)
+        return 130
     finally:
+        # A second Ctrl-C while Serve drains must not cut the shutdown short with a traceback.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        _say("shutting down")
         shutdown()
+        _say("stopped")
