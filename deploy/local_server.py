@@ -120,8 +120,11 @@ def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = 
 
     handle_signals()
     try:
-        where = "a local Ray" if address == "local" else f"the Ray cluster at {address}"
-        with _stage(f"starting {where}", "Ray started"):
+        if address == "local":
+            ray_stage = ("starting a local Ray", "Ray started")
+        else:
+            ray_stage = (f"joining the Ray cluster at {address}", "joined")
+        with _stage(*ray_stage):
             start_local_ray(address)
         handle_signals()  # ray.init installs its own SIGTERM handler (sys.exit)
         # On a GPU the first start also compiles the Triton kernels (cached for later starts).
