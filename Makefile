@@ -6,17 +6,23 @@ BIN := $(VENV)/bin
 
 .PHONY: setup serve test test-slow gpu-test
 
+# A line per stage, and pip's own progress (the first setup downloads ~1 GB: about 3 minutes).
 $(BIN)/mtpserve: pyproject.toml
+	@echo "setup 1/4: a virtualenv in $(VENV)"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# The CPU build of torch first, so nothing below pulls a CUDA build.
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test]"
+	@echo "setup 2/4: the latest pip"
+	$(BIN)/pip install --upgrade pip
+	@echo "setup 3/4: torch (the CPU build first, so nothing below pulls a CUDA build)"
+	$(BIN)/pip install "torch==2.13.0"
+	@echo "setup 4/4: mtpserve and its dependencies, editable, with the test tools"
+	$(BIN)/pip install -e ".[test]"
 	touch $(BIN)/mtpserve
+	@echo "setup done: $(BIN)/mtpserve"
 
 setup: $(BIN)/mtpserve
 
 serve: setup
+	@echo "starting: mtpserve serve (the URL is printed once the model is loaded and warm)"
 	$(BIN)/mtpserve serve
 
 # Run again where Triton cannot be imported, as on macOS and Windows (no Triton builds there).

@@ -1,7 +1,15 @@
 """Offline batch inference: `python -m deploy.batch --input prompts.jsonl --output results.jsonl`.
 
 Run it on a cluster with
-    ray job submit --address http://HEAD:8265 -- python -m deploy.batch --input ... --output ...
+    ray job submit --address http://HEAD:8265 --working-dir . -- \
+        python -m deploy.batch --input prompts.jsonl --output /shared/results.jsonl
+
+Paths are paths on the node that runs the job (the head node under `ray job submit`). `--output`
+must be absolute: a job runs in a temporary working directory that Ray deletes later, and the
+submitter's directory is not knowable there (it may be another machine), so a relative output
+would land where no one finds it. `--input` may be relative: it is resolved against the working
+directory, which is where `--working-dir` uploads the submitter's files. Both are printed as
+absolute paths, with the host, when the job starts and ends.
 
 Input: one JSON object per line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages":
 [...]}` (the chat template applied, or DeepSeek-V3.2's own encoding for a checkpoint without one;
@@ -25,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -223,13 +232,50 @@ def _terminate_torn_line(output_path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m deploy.batch", description=__doc__)
-    parser.add_argument("--input", required=True, help="JSONL of requests, one per line")
-    parser.add_argument("--output", required=True, help="JSONL of results (resumed if it exists)")
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.batch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--input",
+        required=True,
+        help="JSONL of requests, one per line (relative: to the job's working directory)",
+    )
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="JSONL of results, an absolute path on the node that runs the job (resumed if it "
+        "exists)",
+    )
     add_engine_args(parser)
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def resolve_paths(input_path: str, output_path: str) -> tuple[str, str]:
+    """-> (input, output) as absolute paths; ValueError with the reason for a relative output,
+    a missing input or an output directory that does not exist (the module docstring says why
+    the two are treated differently)."""
+    if not os.path.isabs(output_path):
+        raise ValueError(
+            f"--output must be an absolute path, got {output_path!r}: under `ray job submit` the "
+            "job runs in a temporary working directory that Ray deletes, so a relative path would "
+            f"land there (here: {os.path.join(os.getcwd(), output_path)}). Give a path on the "
+            'node that runs the job, e.g. --output "$PWD/results.jsonl" for a local Ray or a '
+            "shared filesystem for a cluster."
+        )
+    output_path = os.path.normpath(output_path)
+    if not os.path.isdir(os.path.dirname(output_path)):
+        raise ValueError(
+            f"--output {output_path}: the directory {os.path.dirname(output_path)} does not exist "
+            f"on {socket.gethostname()}"
+        )
+    input_path = os.path.abspath(input_path)
+    if not os.path.isfile(input_path):
+        raise ValueError(f"--input {input_path}: no such file on {socket.gethostname()}")
+    return input_path, output_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,8 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         options = engine_options(args)
+        args.input, args.output = resolve_paths(args.input, args.output)
     except ValueError as e:
         parser.error(str(e))
+    host = socket.gethostname()
+    print(
+        f"batch: reading {args.input}, writing {args.output} on {host}", file=sys.stderr, flush=True
+    )
 
     from cluster.async_engine import AsyncEngine
     from cluster.config import EngineConfig
@@ -261,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runner = asyncio.run(run())
     print(
-        f"batch: {runner.num_succeeded} succeeded, {runner.num_failed} failed",
+        f"batch: {runner.num_succeeded} succeeded, {runner.num_failed} failed; "
+        f"results in {args.output} on {host}",
         file=sys.stderr,
         flush=True,
     )

@@ -15,6 +15,19 @@ import sys
 
 from deploy.engine_args import add_engine_args, engine_options
 
+# What `mtpserve --help` says first: for users, the commands they run.
+DESCRIPTION = """\
+Serve DeepSeek-V3.2-architecture models, with MTP speculative decoding and tensor/expert
+parallelism on Ray, behind an OpenAI-compatible HTTP API; or generate from one offline.
+
+  mtpserve serve                                   the built-in default model, at
+                                                   http://127.0.0.1:8000/v1
+  mtpserve serve --model DIR --tensor-parallel-size 2   a checkpoint, on two GPUs
+  mtpserve generate --prompt "def fibonacci(n):"   one completion, no server
+
+Each command's options: mtpserve COMMAND --help.
+"""
+
 
 class EngineArgsError(ValueError):
     pass
@@ -37,7 +50,11 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mtpserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="mtpserve",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"mtpserve {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -62,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--replica-num-cpus", type=float, default=0.5, help="CPU request of the model server"
+    )
+    serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log a line per request (Serve's access log; off: it costs the proxy CPU)",
     )
     serve.add_argument(
         "--colocate",
@@ -110,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C outside `serve` (which handles its own): no traceback
+        print("mtpserve: interrupted", file=sys.stderr)
+        return 130
     except (CheckpointError, ModelConfigError, ConfigError) as e:  # the checkpoint or options
         parser.exit(2, f"mtpserve: error: {e}\n")
     except EngineArgsError as e:
@@ -186,9 +211,9 @@ def _run(args: argparse.Namespace) -> int:
             ingress_num_cpus=0.25,
             colocate=args.colocate,
             api_key=args.api_key,
+            access_log=args.access_log,
         )
-        serve_until_interrupted(app_args, args.host, args.port, address=args.address)
-        return 0
+        return serve_until_interrupted(app_args, args.host, args.port, address=args.address)
     raise AssertionError(args.command)
 
 

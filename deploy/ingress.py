@@ -344,7 +344,7 @@ class OpenAIIngress:
         try:
             prompts = await self._tokenize(serving.completion_prompt_token_ids, request, tokenizer)
         except Exception:  # noqa: BLE001 - what the tokenizer refuses is the prompt's fault
-            logger.info("tokenizing a prompt failed", exc_info=True)
+            logger.debug("tokenizing a prompt failed", exc_info=True)  # the client's 400
             return error_response(
                 400, "the prompt cannot be tokenized", "invalid_request_error", "prompt"
             )
@@ -364,7 +364,10 @@ class OpenAIIngress:
         for result in results:
             prefix = ""
             if request.echo:
-                prefix = tokenizer.decode(plans[result.index].prompt_token_ids)
+                # Like the completion's text: no BOS or other special tokens.
+                prefix = tokenizer.decode(
+                    plans[result.index].prompt_token_ids, skip_special_tokens=True
+                )
             logprobs = None
             if request.logprobs is not None:
                 logprobs = serving.completion_logprobs(result.logprobs, tokenizer, len(prefix))
@@ -551,7 +554,7 @@ class OpenAIIngress:
         try:
             if request.echo:
                 for plan in plans:
-                    prompt_text = tokenizer.decode(plan.prompt_token_ids)
+                    prompt_text = tokenizer.decode(plan.prompt_token_ids, skip_special_tokens=True)
                     text_offsets[plan.index] = len(prompt_text)
                     yield _sse(
                         CompletionChunk(

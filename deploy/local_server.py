@@ -2,9 +2,14 @@
 
 On a Ray this process starts, the app's ingress replica serves HTTP itself (Ray Serve's direct
 ingress) when it is the only one: a request then crosses no Ray hop at all (colocated app) or
-one (ingress -> model server), not the proxy's extra one; benchmarks/bench_serve.py measured the
-difference (BENCHMARKS.md, issue 15). Serve's proxy then listens on a spare loopback port. Apps
-with several ingress replicas, and clusters this process joins, keep Serve's proxy.
+one (ingress -> model server), not the proxy's extra one (benchmarks/bench_serve.py measures
+both; BENCHMARKS.md, issue 15). Serve's proxy then listens on a spare loopback port. Apps with
+several ingress replicas, and clusters this process joins, keep Serve's proxy.
+
+What a user sees: one line per start-up stage with the time it took, the "serving at" line last
+(printed only once the model is loaded and warm), and on Ctrl-C or SIGTERM a "shutting down"
+line and exit status 0, with no traceback. Ray's and Serve's own INFO lines (cluster start,
+controller, proxies) are left out; their warnings and errors still show.
 """
 
 from __future__ import annotations
@@ -13,7 +18,11 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # Ray and Serve are imported where they are used: `mtpserve --help` stays quick
@@ -24,6 +33,15 @@ logger = logging.getLogger(__name__)
 APP_NAME = "mtpserve"
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived before the server was up (a BaseException, as Ctrl-C's own, so
+    that no `except Exception` inside Ray's start-up calls swallows it)."""
+
+
+class PortInUseError(RuntimeError):
+    pass
+
+
 def serves_directly(args: AppArgs, address: str = "local") -> bool:
     """Whether the app's ingress replica can serve HTTP on the user's port itself: a Ray this
     process starts (Ray reads the switch from its processes' environment) and one ingress
@@ -31,10 +49,6 @@ def serves_directly(args: AppArgs, address: str = "local") -> bool:
     if address != "local":
         return False
     return not args.colocate or (args.num_replicas == 1 and not args.autoscaling_config)
-
-
-class PortInUseError(RuntimeError):
-    pass
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:
@@ -59,37 +73,22 @@ def start_local_ray(
 
     from cluster.ray_executor import LOOPBACK
 
+    # Ray's and Serve's driver-side INFO lines (cluster started, Serve started, app ready) are
+    # not for users; Serve's logger has its own handler, so it is set apart.
+    quiet = logging.WARNING
+    logging.getLogger("ray.serve").setLevel(quiet)
     if address != "local":
-        ray.init(address=address)
+        ray.init(address=address, logging_level=quiet)
         return
     if direct_port is not None:
         os.environ.update(direct_ingress_env(direct_port))
-    ray.init(address="local", num_cpus=num_cpus, dashboard_host=LOOPBACK)
+    ray.init(address="local", num_cpus=num_cpus, dashboard_host=LOOPBACK, logging_level=quiet)
 
 
 def _spare_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def deploy(args: AppArgs, host: str, port: int, direct: bool = False) -> str:
-    """Deploy the app on the connected Ray; returns the base URL. `direct`: Ray was started
-    with `direct_port=port`, so the ingress replica binds `port` and the proxy a spare one."""
-    from ray import serve
-
-    from deploy.app import build_app
-
-    # The proxy's access log too: a log line per request costs the proxy ~20% of its CPU under
-    # load on the 2-core box (measured with benchmarks/bench_serve.py).
-    proxy_port = _spare_port(host) if direct else port
-    serve.start(
-        http_options={"host": host, "port": proxy_port},
-        logging_config={"enable_access_log": args.access_log},
-    )
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return f"http://{shown_host}:{port}"
 
 
 def _port_taken(host: str, port: int) -> bool:
@@ -101,31 +100,108 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
+def deploy(args: AppArgs, host: str, port: int, direct: bool = False) -> str:
+    """Deploy the app on the connected Ray; returns the base URL once it is ready (every
+    replica's engine loaded and warmed up). `direct`: Ray was started with `direct_port=port`,
+    so the ingress replica binds `port` and the proxy a spare one."""
+    from ray import serve
+
+    from deploy.app import build_app
+
+    # The proxy's access log too: a log line per request costs the proxy ~20% of its CPU under
+    # load on the 2-core box (measured with benchmarks/bench_serve.py). The controller's and
+    # proxies' other INFO lines say what Serve does internally: warnings only.
+    proxy_port = _spare_port(host) if direct else port
+    serve.start(
+        http_options={"host": host, "port": proxy_port},
+        logging_config={"enable_access_log": args.access_log, "log_level": "WARNING"},
+    )
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{shown_host}:{port}"
+
+
 def shutdown() -> None:
+    """Delete the app (each replica drains its requests, up to its graceful_shutdown_timeout_s),
+    then leave Ray, which stops a local Ray with everything on it. Not serve.shutdown(): killing
+    the controller makes Ray print a task-retry warning at every Ctrl-C. On a cluster that this
+    process joined, the app is deleted and Serve itself keeps running for the cluster's other
+    apps."""
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        if ray.is_initialized():  # else interrupted before Ray was up (serve.* would start it)
+            serve.delete(APP_NAME)
     finally:
-        ray.shutdown()
+        ray.shutdown()  # also stops the processes of a local Ray interrupted while starting
 
 
-def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = "local") -> None:
-    """Start Ray, deploy, print the URL, block until SIGINT/SIGTERM, shut everything down."""
+def _say(message: str) -> None:
+    print(f"mtpserve: {message}", flush=True)
+
+
+@contextmanager
+def _stage(doing: str, done: str) -> Iterator[None]:
+    """Prints `doing...` now and `done in N s` after (stdout, so the two stay in order)."""
+    _say(f"{doing} ...")
+    started = time.perf_counter()
+    yield
+    _say(f"{done} in {time.perf_counter() - started:.1f} s")
+
+
+def _describe(args: AppArgs) -> str:
+    from workers.default_model import default_model_path
+
+    model = args.model or f"the default model ({default_model_path()})"
+    parallel = f", TP={args.tp_size}" if (args.tp_size or 1) > 1 else ""
+    if (args.ep_size or 1) > 1:
+        parallel += f", EP={args.ep_size}"
+    return f"{model} on {args.device or 'auto'}{parallel}"
+
+
+def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = "local") -> int:
+    """Start Ray, deploy, print the URL, block until SIGINT/SIGTERM, shut everything down.
+    Returns the exit status: 0 after serving, 130 when interrupted during start-up."""
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    started = threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        if started.is_set():
+            stop.set()  # the main thread wakes from stop.wait() and shuts down
+        else:
+            raise Interrupted(signal.Signals(signum).name)  # out of a blocking start-up call
+
+    def handle_signals() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, on_signal)
+
+    handle_signals()
     direct = serves_directly(args, address)
     if direct and _port_taken(host, port):  # before Ray starts, not a failed replica later
         raise PortInUseError(f"port {port} on {host} is in use: choose another --port")
-    start_local_ray(address, direct_port=port if direct else None)
     try:
-        url = deploy(args, host, port, direct=direct)
-        print(
-            f"mtpserve: serving an OpenAI-compatible API at {url}/v1 (Ctrl-C to stop)", flush=True
-        )
+        if address == "local":
+            ray_stage = ("starting a local Ray", "Ray started")
+        else:
+            ray_stage = (f"joining the Ray cluster at {address}", "joined")
+        with _stage(*ray_stage):
+            start_local_ray(address, direct_port=port if direct else None)
+        handle_signals()  # ray.init installs its own SIGTERM handler (sys.exit)
+        # On a GPU the first start also compiles the Triton kernels (cached for later starts).
+        with _stage(f"loading {_describe(args)} and warming it up", "model loaded and warmed up"):
+            url = deploy(args, host, port, direct=direct)
+        started.set()
+        _say(f"serving an OpenAI-compatible API at {url}/v1 (Ctrl-C to stop)")
         stop.wait()
-        print("mtpserve: shutting down", flush=True)
+        return 0
+    except Interrupted as why:
+        print(f"\nmtpserve: {why} during start-up", file=sys.stderr, flush=True)
+        return 130
     finally:
+        # A second Ctrl-C while Serve drains must not cut the shutdown short with a traceback.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        _say("shutting down")
         shutdown()
+        _say("stopped")

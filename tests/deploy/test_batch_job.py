@@ -1,4 +1,5 @@
-"""`ray job submit` of the batch job against a Ray head this test starts, interrupted and rerun.
+"""`ray job submit` of the batch job against a Ray head this test starts, interrupted and rerun;
+and the job's paths: a relative --output is refused, a relative --input is the uploaded file.
 
 The head is a separate `ray start --head --block` process in its own session (own ports, own
 temp dir) so it never touches the test session's Ray; it is stopped by signalling its process
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -58,7 +60,10 @@ def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path
     from cluster.sampling_params import SamplingParams
 
     address, env = job_head
-    input_path, output_path = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    # The input is uploaded with --working-dir and named relative to it, as the README does.
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    input_path, output_path = job_dir / "prompts.jsonl", tmp_path / "results.jsonl"
     lines = [
         json.dumps(
             {
@@ -74,12 +79,14 @@ def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path
     lines.insert(3, "{this is not json")
     input_path.write_text("\n".join(lines) + "\n")
     entrypoint = [
+        "--working-dir",
+        str(job_dir),
         "--",
         sys.executable,
         "-m",
         "deploy.batch",
         "--input",
-        str(input_path),
+        "prompts.jsonl",
         "--output",
         str(output_path),
         "--model",
@@ -112,6 +119,11 @@ def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path
     assert 1 <= len(done_before) < len(PROMPTS), "the interruption came too late to test resuming"
     assert f"{len(done_before)} already done" in logs, logs
     assert "entrypoint command failed with exit code 1" in logs, logs
+    # Where it wrote, as an absolute path; the input was found in the job's working directory.
+    assert f"results in {output_path} on " in logs, logs
+    assert re.search(
+        r"batch: reading /\S+/prompts\.jsonl, writing " + re.escape(str(output_path)), logs
+    )
 
     rows = _rows(output_path)
     good = [r for r in rows if r.get("error") is None]
@@ -127,3 +139,37 @@ def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path
     for i, out in enumerate(reference):
         assert by_id[f"p{i}"]["completion_token_ids"] == out.token_ids
         assert by_id[f"p{i}"]["text"] == out.text
+
+
+def test_relative_output_is_refused_with_why(tmp_path):
+    """Before any model loads: exit status 2 and a message that says why and what to give."""
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "x"}\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.batch", "--input", "prompts.jsonl", "--output", "out.jsonl"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--output must be an absolute path, got 'out.jsonl'" in done.stderr
+    assert "temporary working directory" in done.stderr
+    assert f"(here: {tmp_path / 'out.jsonl'})" in done.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    from deploy.batch import resolve_paths
+
+    (tmp_path / "in.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    output = str(tmp_path / "sub" / ".." / "out.jsonl")
+    assert resolve_paths("in.jsonl", output) == (
+        str(tmp_path / "in.jsonl"),
+        str(tmp_path / "out.jsonl"),
+    )
+    with pytest.raises(ValueError, match="no such file"):
+        resolve_paths("missing.jsonl", output)
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_paths("in.jsonl", str(tmp_path / "nowhere" / "out.jsonl"))

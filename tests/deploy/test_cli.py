@@ -60,3 +60,14 @@ def test_generate_json_with_mtp_equals_greedy_without(tiny_model_dir, offline_ll
     assert 1.0 <= result["mean_tokens_per_round"] <= 3.0
     assert len(result["acceptance_per_position"]) == 2
     assert all(0.0 <= a <= 1.0 for a in result["acceptance_per_position"])
+
+
+def test_help_says_what_it_does_and_the_commands_to_run():
+    done = subprocess.run(
+        [MTPSERVE, "--help"], check=True, capture_output=True, text=True, timeout=60
+    )
+    described = done.stdout.split("positional arguments:")[0]
+    assert "OpenAI-compatible HTTP API" in described
+    for command in ("mtpserve serve  ", "mtpserve serve --model DIR", "mtpserve generate"):
+        assert command in described, described
+    assert "argument parsing" not in done.stdout  # the module's docstring is for developers

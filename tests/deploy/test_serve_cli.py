@@ -100,6 +100,7 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
         output = log_path.read_text(errors="replace")
         assert returncode == 0, output[-4000:]
         assert "mtpserve: shutting down" in output
+        assert "Traceback" not in output, output[-4000:]
         # Ray's own processes (raylet, GCS, workers, agents) may take a moment after the driver.
         deadline = time.monotonic() + 30
         while (left := processes_under(ray_root)) and time.monotonic() < deadline:
@@ -177,3 +178,63 @@ def _connect_without_token(gcs_port: int, env: dict) -> subprocess.CompletedProc
         text=True,
         timeout=90,
     )
+
+
+@pytest.mark.timeout(180)
+def test_default_model_start_up_lines_echo_and_quiet_ctrl_c(tmp_path):
+    """`mtpserve serve` with no options (the default model, CPU): a timed line per start-up
+    stage and the URL line last; `echo` gives back the prompt without the BOS token the
+    default model's tokenizer adds; Ctrl-C (SIGINT to the whole process group, as a terminal
+    sends it) exits 0 with nothing on stderr that looks like a crash."""
+    import openai
+
+    ray_root = tempfile.mkdtemp(prefix="mtpserve-cli-", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": ray_root, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    port = free_port()
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        server = subprocess.Popen(
+            [MTPSERVE, "serve", "--port", str(port), "--device", "cpu"],
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
+    try:
+        base_url = _wait_for_url(server, out_path, timeout_s=150)
+        stages = [
+            r"mtpserve: starting a local Ray \.\.\.",
+            r"mtpserve: Ray started in \d+\.\d s",
+            r"mtpserve: loading the default model \(\S+\) on cpu and warming it up \.\.\.",
+            r"mtpserve: model loaded and warmed up in \d+\.\d s",
+            URL_LINE.pattern + r" \(Ctrl-C to stop\)",
+        ]
+        lines = out_path.read_text().splitlines()
+        assert len(lines) == len(stages), lines
+        for pattern, line in zip(stages, lines):
+            assert re.fullmatch(pattern, line), (pattern, line)
+
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+        prompt = "def fibonacci(n):"
+        plain, echoed = (
+            client.completions.create(
+                model="mtpserve-default", prompt=prompt, max_tokens=6, temperature=0.0, echo=echo
+            )
+            .choices[0]
+            .text
+            for echo in (False, True)
+        )
+        assert echoed == prompt + plain  # not "<|bos|>def fibonacci(n):..."
+
+        os.killpg(server.pid, signal.SIGINT)
+        returncode = server.wait(timeout=60)
+        stdout, stderr = out_path.read_text(), err_path.read_text()
+        assert returncode == 0, stdout + stderr[-4000:]
+        assert stdout.splitlines()[-2:] == ["mtpserve: shutting down", "mtpserve: stopped"]
+        assert "Traceback" not in stderr, stderr[-4000:]
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+        kill_processes_under(ray_root)
