@@ -32,6 +32,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     step_timeout_s: float = 120.0  # a step that takes longer is a dead worker
     indexer_numerics: str = "exact"  # "exact" (transformers) | "fp8" (DeepSeek's deployments)
+    # "auto": the MLA latent cache in the model's dtype; "fp8": e4m3 + a scale per 128 values,
+    # the RoPE part kept in the model's dtype (FlashMLA's V3.2 format, workers.kv_cache)
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     cpu_threads: int | None = None  # torch intra-op threads per worker; None: half the cores
     # Only TP rank 0 runs the indexers and broadcasts top-k over the TP group (None: on when
@@ -47,13 +50,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
-        from workers.kv_cache import MAX_LOOKAHEAD_SLOTS
+        from workers.kv_cache import MAX_LOOKAHEAD_SLOTS, check_kv_cache_dtype
 
         if not 0 <= self.num_draft_tokens <= MAX_LOOKAHEAD_SLOTS + 1:
             raise ValueError(f"num_draft_tokens must be in 0..{MAX_LOOKAHEAD_SLOTS + 1}")
         from workers.model import check_indexer_numerics
 
         check_indexer_numerics(self.indexer_numerics)  # here, not after the workers load weights
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
     @property
     def topk_src_rank(self) -> int | None:

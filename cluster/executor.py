@@ -56,6 +56,7 @@ def worker_spec(config: EngineConfig):
         max_model_len=config.max_model_len or DEFAULT_MAX_MODEL_LEN,
         max_num_seqs=config.max_num_seqs,
         indexer_numerics=config.indexer_numerics,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
 
 
