@@ -81,6 +81,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     step_timeout_s: float = 120.0  # a step that takes longer is a dead worker
     indexer_numerics: str = "exact"  # "exact" (transformers) | "fp8" (DeepSeek's deployments)
+    # "auto": the MLA latent cache in the model's dtype; "fp8": e4m3 + a scale per 128 values,
+    # the RoPE part kept in the model's dtype (FlashMLA's V3.2 format, workers.kv_cache)
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     cpu_threads: int | None = None  # torch intra-op threads per worker; None: half the cores
     # Only TP rank 0 runs the indexers and broadcasts top-k over the TP group (None: on when
@@ -101,11 +104,6 @@ class EngineConfig:
             raise ConfigError(f"num_draft_tokens must be in 0..{MAX_NUM_DRAFT_TOKENS}, got {k}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache_dtype == "fp8":
-            raise ConfigError(
-                "kv_cache_dtype 'fp8': FP8 KV caches are not supported yet; use 'auto' (the "
-                "model's dtype)"
-            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}"

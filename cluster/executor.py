@@ -57,6 +57,7 @@ def worker_spec(config: EngineConfig):
         max_seq_slots=config.max_seq_slots,
         max_num_seqs=config.max_num_seqs,
         indexer_numerics=config.indexer_numerics,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
 
 

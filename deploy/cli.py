@@ -3,7 +3,7 @@
 mtpserve serve [--model DIR] [--host H] [--port P] [--tensor-parallel-size N]
     [--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'] ...
 mtpserve generate [--model DIR] --prompt TEXT [--max-tokens N] [--json] ...
-mtpserve plan [--model DIR] [--tp N] [--ep N] [--json]
+mtpserve plan [--model DIR] [--tp N] [--ep N] [--kv-cache-dtype auto|fp8] [--json]
 mtpserve make-tiny-model DIR [--seed N]
 """
 
@@ -114,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --tp)")
     plan.add_argument("--gpu-memory-gib", type=float, default=141.0, help="memory of one GPU")
     plan.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
+    plan.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="the MLA latent cache's dtype (fp8: e4m3 + a scale per 128 values)",
+    )
+    plan.add_argument(
+        "--indexer-numerics",
+        choices=("exact", "fp8"),
+        default="exact",
+        help="fp8 also keeps the indexer's keys in FP8",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
     tiny = commands.add_parser("make-tiny-model", help="write the tiny random test checkpoint")
@@ -161,6 +173,8 @@ def _run(args: argparse.Namespace) -> int:
             args.ep,
             args.gpu_memory_gib,
             args.max_model_len,
+            kv_cache_dtype=args.kv_cache_dtype,
+            indexer_numerics=args.indexer_numerics,
         )
         print(plan.to_json() if args.json else describe(plan))
         return 0

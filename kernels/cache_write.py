@@ -3,6 +3,8 @@ write of given rows.
 
 Paged caches are [num_blocks, block_size_tokens, width]; `slot_mapping[t]` is the flat slot
 (block * block_size_tokens + offset) of token t, or -1 for a token whose key is not stored.
+Given no cache (None), the fused writes only compute and return the rows: an FP8 cache is then
+written from them by `kernels.fp8_cache`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def mla_kv_cache_write_reference(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """kv_a [T, kv_lora_rank + rope_dim] -> cache row [RMSNorm(latent) | RoPE_interleaved(k_rope)].
@@ -43,7 +45,8 @@ def mla_kv_cache_write_reference(
     rows = torch.cat(
         [rms_norm_reference(latent, norm_weight, eps), rope_reference(k_rope, cos, sin, True)], -1
     )
-    cache_rows_write_reference(kv_cache, slot_mapping, rows)
+    if kv_cache is not None:
+        cache_rows_write_reference(kv_cache, slot_mapping, rows)
     return rows
 
 
@@ -54,14 +57,15 @@ def indexer_k_cache_write_reference(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_cache: torch.Tensor,
+    k_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """k [T, index_head_dim] -> LayerNorm(k) with its first rope dims rotated half-split; cached."""
     rope_dim = cos.shape[-1] * 2
     k = F.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, eps)
     rows = rope_reference(k[:, None], cos, sin, False, rope_dim)[:, 0]
-    cache_rows_write_reference(k_cache, slot_mapping, rows)
+    if k_cache is not None:
+        cache_rows_write_reference(k_cache, slot_mapping, rows)
     return rows
 
 
@@ -85,6 +89,7 @@ def _mla_kv_cache_write_kernel(
     ROPE_HALF: tl.constexpr,
     BLOCK_LATENT: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -116,7 +121,7 @@ def _mla_kv_cache_write_kernel(
     tl.store(dst + cols, normed.to(row_dtype), mask=lat_mask)
     tl.store(dst + KV_LORA_RANK + half, re.to(row_dtype), mask=half_mask)
     tl.store(dst + KV_LORA_RANK + ROPE_HALF + half, im.to(row_dtype), mask=half_mask)
-    if slot >= 0:
+    if WRITE_CACHE & (slot >= 0):
         cache_dtype = cache_ptr.dtype.element_ty
         dst = cache_ptr + slot * width
         tl.store(dst + cols, normed.to(row_dtype).to(cache_dtype), mask=lat_mask)
@@ -130,20 +135,21 @@ def _check_cache_args(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    cache: torch.Tensor,
+    cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
     width: int,
 ) -> None:
     num_tokens = x.shape[0]
     check_tensor("cos", cos, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     check_tensor("sin", sin, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
-    check_tensor("cache", cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True, device=x.device)
+    if cache is not None:
+        check_tensor("cache", cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True, device=x.device)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=x.device)
     if cos.shape != sin.shape or cos.shape[0] != num_tokens:
         raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} vs {num_tokens} tokens")
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
-    if cache.shape[-1] != width:
+    if cache is not None and cache.shape[-1] != width:
         raise ValueError(f"cache rows are {cache.shape[-1]} wide, expected {width}")
 
 
@@ -153,7 +159,7 @@ def mla_kv_cache_write_triton(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """Triton twin of `mla_kv_cache_write_reference`: one program per token."""
@@ -180,7 +186,7 @@ def mla_kv_cache_write_triton(
             norm_weight,
             cos,
             sin,
-            kv_cache,
+            rows if kv_cache is None else kv_cache,
             slot_mapping,
             rows,
             kv_a.stride(0),
@@ -191,6 +197,7 @@ def mla_kv_cache_write_triton(
             ROPE_HALF=rope_half,
             BLOCK_LATENT=triton.next_power_of_2(kv_lora_rank),
             BLOCK_HALF=triton.next_power_of_2(rope_half),
+            WRITE_CACHE=kv_cache is not None,
             num_warps=4,
         )
     return rows
@@ -214,6 +221,7 @@ def _indexer_k_cache_write_kernel(
     ROPE_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -253,7 +261,7 @@ def _indexer_k_cache_write_kernel(
     tl.store(dst + cols, normed, mask=tail)
     tl.store(dst + half, re, mask=half_mask)
     tl.store(dst + ROPE_HALF + half, im, mask=half_mask)
-    if slot >= 0:
+    if WRITE_CACHE & (slot >= 0):
         cache_dtype = cache_ptr.dtype.element_ty
         dst = cache_ptr + slot * HEAD_DIM
         tl.store(dst + cols, normed.to(cache_dtype), mask=tail)
@@ -268,7 +276,7 @@ def indexer_k_cache_write_triton(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_cache: torch.Tensor,
+    k_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """Triton twin of `indexer_k_cache_write_reference`: one program per token."""
@@ -293,7 +301,7 @@ def indexer_k_cache_write_triton(
             ln_bias,
             cos,
             sin,
-            k_cache,
+            rows if k_cache is None else k_cache,
             slot_mapping,
             rows,
             k.stride(0),
@@ -304,6 +312,7 @@ def indexer_k_cache_write_triton(
             ROPE_HALF=rope_half,
             BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_HALF=triton.next_power_of_2(rope_half),
+            WRITE_CACHE=k_cache is not None,
             num_warps=4,
         )
     return rows

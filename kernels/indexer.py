@@ -1,9 +1,20 @@
-"""Lightning-indexer logits over the paged key cache, and causal top-k."""
+"""Lightning-indexer logits over the paged key cache, and causal top-k.
+
+The key cache is the model's dtype (exact numerics) or, with the FP8 numerics, FP8 rows as
+DeepSeek keeps them (kernels/fp8_cache.py: e4m3 keys, a float32 scale per 128 dims, 132 bytes a
+128-wide key), dequantized as they are loaded: exactly the FP8-rounded keys."""
 
 from __future__ import annotations
 
 import torch
 
+from kernels.fp8_cache import (
+    FP8_CACHE_GROUP,
+    Fp8CacheLayout,
+    check_fp8_cache,
+    is_fp8_cache,
+    unpack_fp8_rows_reference,
+)
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
 from kernels.paged import gather_token_rows, token_chunks
 from kernels.platform import tl, triton
@@ -22,7 +33,8 @@ def indexer_topk_reference(
     """Top-k past positions per query token.
 
     q [T, H, D], weights [T, H] (already times index_n_heads**-0.5), k_cache
-    [num_blocks, block_size, D], block_tables [B, max_blocks], seq_idx [T] (row of block_tables),
+    [num_blocks, block_size, D] (or FP8 rows [num_blocks, block_size, Fp8CacheLayout(D) bytes]),
+    block_tables [B, max_blocks], seq_idx [T] (row of block_tables),
     positions [T]. Token t scores keys 0..positions[t] of its sequence:
     score[s] = sum_h weights[t, h] * relu(softmax_scale * q[t, h] . k[s]).
     Returns int32 [T, topk]: the positions of the min(topk, positions[t] + 1) best keys, highest
@@ -37,7 +49,10 @@ def indexer_topk_reference(
     for rows in token_chunks(num_tokens, num_keys * head_dim):
         pos = positions[rows]
         span = keys_range.expand(pos.shape[0], num_keys)
-        keys = gather_token_rows(k_cache, block_tables, seq_idx[rows], span).float()  # [t, S, D]
+        keys = gather_token_rows(k_cache, block_tables, seq_idx[rows], span)
+        if is_fp8_cache(k_cache):
+            keys = unpack_fp8_rows_reference(keys, Fp8CacheLayout(head_dim))
+        keys = keys.float()  # [t, S, D]
         scores = torch.einsum("thd,tsd->ths", q[rows].float(), keys) * softmax_scale
         logits = torch.einsum("th,ths->ts", weights[rows].float(), scores.relu())  # [t, S]
         out[rows] = topk_select_reference(logits, pos, topk)
@@ -120,6 +135,7 @@ def _indexer_logits_kernel(
     q_ptr,
     weights_ptr,
     cache_ptr,
+    scale_ptr,
     block_tables_ptr,
     seq_idx_ptr,
     positions_ptr,
@@ -140,6 +156,10 @@ def _indexer_logits_kernel(
     BLOCK_S: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     COUNT_HIST: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr,
+    GROUP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -162,11 +182,22 @@ def _indexer_logits_kernel(
     ).to(tl.int64)
     rows = blocks * BLOCK_SIZE_TOKENS + keys % BLOCK_SIZE_TOKENS
     dim_mask = dims < HEAD_DIM
-    k = tl.load(
-        cache_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
-        mask=causal[:, None] & dim_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_D]
+    if FP8_CACHE:  # e4m3 keys x their group's scale, one byte row per key
+        key_in = causal[:, None] & dim_mask[None, :]
+        row_bytes = rows * ROW_BYTES
+        k = tl.load(cache_ptr + row_bytes[:, None] + dims[None, :], mask=key_in, other=0.0)
+        scales = tl.load(
+            scale_ptr + (row_bytes + SCALE_OFFSET)[:, None] // 4 + dims[None, :] // GROUP,
+            mask=key_in,
+            other=0.0,
+        )
+        k = k.to(tl.float32) * scales  # [BLOCK_S, BLOCK_D]
+    else:
+        k = tl.load(
+            cache_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
+            mask=causal[:, None] & dim_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_S, BLOCK_D]
     head_mask = heads < NUM_HEADS
     q = tl.load(
         q_ptr + token * q_token_stride + heads[:, None] * q_head_stride + dims[None, :],
@@ -211,14 +242,21 @@ def indexer_logits_triton(
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=device)
-    check_tensor("k_cache", k_cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True, device=device)
+    num_tokens, num_heads, head_dim = q.shape
+    fp8 = is_fp8_cache(k_cache)
+    layout = Fp8CacheLayout(head_dim)
+    if fp8:
+        check_fp8_cache("k_cache", k_cache, layout, device)
+    else:
+        check_tensor(
+            "k_cache", k_cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True, device=device
+        )
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
     check_tensor("seq_idx", seq_idx, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    num_tokens, num_heads, head_dim = q.shape
     if weights.shape != (num_tokens, num_heads):
         raise ValueError(f"weights {tuple(weights.shape)}, expected {(num_tokens, num_heads)}")
-    if k_cache.shape[-1] != head_dim:
+    if not fp8 and k_cache.shape[-1] != head_dim:
         raise ValueError(f"k_cache rows are {k_cache.shape[-1]} wide, q heads {head_dim}")
     if seq_idx.shape[0] != num_tokens or positions.shape[0] != num_tokens:
         raise ValueError("seq_idx and positions need one entry per token")
@@ -237,6 +275,7 @@ def indexer_logits_triton(
             q,
             weights,
             k_cache,
+            k_cache.view(torch.float32) if fp8 else k_cache,
             block_tables,
             seq_idx,
             positions,
@@ -257,6 +296,10 @@ def indexer_logits_triton(
             BLOCK_S=_INDEXER_BLOCK_S,
             UPCAST_DOT=dot_in_fp32(q.dtype),
             COUNT_HIST=histogram is not None,
+            FP8_CACHE=fp8,
+            ROW_BYTES=layout.bytes_per_token,
+            SCALE_OFFSET=layout.scale_offset,
+            GROUP=FP8_CACHE_GROUP,
             num_warps=4,
         )
     return logits

@@ -4,8 +4,10 @@
 DeepSeek-V3.2's deployments score the indexer in FP8 after rotating q and k by a Hadamard
 matrix (orthogonal, so exact scores are unchanged; the rotation spreads outliers across the
 block before quantization). `transformers` computes the scores exactly; mtpserve offers both,
-exact by default. This twin rounds the values as FP8 would and keeps them in the model's dtype
-(the cache holds the dequantized values): the selection is FP8's, the memory is not yet.
+exact by default. The queries and keys are quantized as DeepSeek-V3.2's `act_quant` does under
+its `scale_fmt: "ue8m0"` (kernels/fp8_cache.py: power-of-two scales per 128 values), the keys
+into an FP8 cache (132 bytes a 128-wide key); this twin rounds a row as FP8 would and keeps it
+in the model's dtype (exactly: power-of-two scales).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import functools
 import math
 
 import torch
+
+from kernels.fp8_cache import fp8_round_rows_reference
 
 FP8_E4M3_MAX = 448.0
 FP8_BLOCK = 128
@@ -36,7 +40,8 @@ def hadamard_rotate_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_round_reference(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """Quantize to e4m3 with a scale of amax / 448 per `block` values of the last dim, and back."""
+    """Quantize to e4m3 with a scale of amax / 448 per `block` values of the last dim, and back
+    (plain float scales; the indexer uses DeepSeek's power-of-two ones, see above)."""
     shape = x.shape
     width = shape[-1]
     pad = (-width) % block
@@ -49,5 +54,6 @@ def fp8_round_reference(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor
 
 
 def indexer_fp8_reference(x: torch.Tensor) -> torch.Tensor:
-    """What the deployed indexer scores with: FP8-rounded Hadamard-rotated rows."""
-    return fp8_round_reference(hadamard_rotate_reference(x))
+    """What the deployed indexer scores with: FP8-rounded Hadamard-rotated rows (DeepSeek's
+    power-of-two scales, as the FP8 key cache stores them)."""
+    return fp8_round_rows_reference(hadamard_rotate_reference(x))

@@ -20,9 +20,10 @@ from kernels.cache_write import (
     mla_kv_cache_write_triton,
 )
 from kernels.fp8 import fp8_linear_reference
+from kernels.fp8_cache import fp8_cache_write_reference, fp8_cache_write_triton, is_fp8_cache
 from kernels.fp8_linear import fp8_linear_triton
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton
-from kernels.indexer_fp8 import indexer_fp8_reference
+from kernels.indexer_fp8 import hadamard_rotate_reference, indexer_fp8_reference
 from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
 from kernels.moe_experts import grouped_moe_deepgemm, grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
@@ -38,6 +39,7 @@ from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attent
 
 # The FP8 indexer rounding runs as torch ops on every device (a twin; no Triton kernel yet).
 indexer_fp8 = indexer_fp8_reference
+hadamard_rotate = hadamard_rotate_reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,8 +87,14 @@ def mla_kv_cache_write(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
+    """Writes [RMSNorm(latent) | RoPE(k_rope)] rows; into an FP8 cache (kernels/fp8_cache.py)
+    as a second kernel that quantizes the rows. Returns the rows (model dtype)."""
     impl = mla_kv_cache_write_triton if use_triton(kv_a.device) else mla_kv_cache_write_reference
-    return impl(kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping)
+    if not is_fp8_cache(kv_cache):
+        return impl(kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping)
+    rows = impl(kv_a, norm_weight, eps, cos, sin, None, slot_mapping)
+    fp8_cache_write(kv_cache, slot_mapping, rows, norm_weight.shape[0])
+    return rows
 
 
 def indexer_k_cache_write(
@@ -96,7 +104,7 @@ def indexer_k_cache_write(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_cache: torch.Tensor,
+    k_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     impl = indexer_k_cache_write_triton if use_triton(k.device) else indexer_k_cache_write_reference
@@ -106,6 +114,15 @@ def indexer_k_cache_write(
 def cache_rows_write(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
     impl = cache_rows_write_triton if use_triton(rows.device) else cache_rows_write_reference
     impl(cache, slot_mapping, rows)
+
+
+def fp8_cache_write(
+    cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor, quant_width: int
+) -> None:
+    """FP8 cache rows (kernels/fp8_cache.py): rows' first quant_width values in e4m3 with a
+    float32 scale per 128, the rest as they are."""
+    impl = fp8_cache_write_triton if use_triton(rows.device) else fp8_cache_write_reference
+    impl(cache, slot_mapping, rows, quant_width)
 
 
 def indexer_topk(
@@ -196,7 +213,9 @@ __all__ = [
     "mla_kv_cache_write",
     "indexer_k_cache_write",
     "cache_rows_write",
+    "fp8_cache_write",
     "indexer_fp8",
+    "hadamard_rotate",
     "indexer_topk",
     "sparse_mla_attention",
     "moe_route",

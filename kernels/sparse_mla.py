@@ -1,9 +1,20 @@
-"""MLA attention over the top-k selected positions, in the latent space (absorbed weights)."""
+"""MLA attention over the top-k selected positions, in the latent space (absorbed weights).
+
+The latent cache is the model's dtype, or FP8 (`kv_cache_dtype="fp8"`, kernels/fp8_cache.py):
+e4m3 latents with a power-of-two float32 scale per 128 and the RoPE part in the model's dtype,
+dequantized as keys are loaded (exactly: an e4m3 value times 2**e fits bf16)."""
 
 from __future__ import annotations
 
 import torch
 
+from kernels.fp8_cache import (
+    FP8_CACHE_GROUP,
+    Fp8CacheLayout,
+    check_fp8_cache,
+    is_fp8_cache,
+    unpack_fp8_rows_reference,
+)
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
 from kernels.paged import gather_token_rows, token_chunks
 from kernels.platform import tl, triton
@@ -21,20 +32,31 @@ def sparse_mla_attention_reference(
     """out[t, h] = sum_s softmax_s(scale * q[t, h] . c[s]) * c[s, :kv_lora_rank].
 
     q [T, H, kv_lora_rank + rope_dim] (q_nope already absorbed through W_UK), kv_cache
-    [num_blocks, block_size, kv_lora_rank + rope_dim], topk_indices [T, K] positions within the
-    token's sequence, -1 = unused. Returns the latent output [T, H, kv_lora_rank] in q's dtype.
+    [num_blocks, block_size, kv_lora_rank + rope_dim] in q's dtype, or FP8 rows
+    [num_blocks, block_size, bytes_per_token] (`latent_cache_layout`), topk_indices [T, K]
+    positions within the token's sequence, -1 = unused. Returns the latent output
+    [T, H, kv_lora_rank] in q's dtype.
     """
     num_tokens, num_heads, width = q.shape
+    layout = latent_cache_layout(kv_lora_rank, width, q.dtype)
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     for rows in token_chunks(num_tokens, topk_indices.shape[1] * width):
         idx = topk_indices[rows].long()  # [t, K]
         picked = gather_token_rows(kv_cache, block_tables, seq_idx[rows], idx.clamp(min=0))
+        if is_fp8_cache(kv_cache):
+            picked = unpack_fp8_rows_reference(picked, layout)  # [t, K, W] fp32
         picked = picked.float()  # [t, K, W]
         scores = torch.einsum("thw,tkw->thk", q[rows].float(), picked) * softmax_scale
         scores = scores.masked_fill((idx < 0)[:, None, :], float("-inf"))
         probs = scores.softmax(-1)
         out[rows] = torch.einsum("thk,tkl->thl", probs, picked[..., :kv_lora_rank]).to(q.dtype)
     return out
+
+
+def latent_cache_layout(kv_lora_rank: int, width: int, dtype: torch.dtype) -> Fp8CacheLayout:
+    """An FP8 latent cache row: kv_lora_rank e4m3 values, then the RoPE part in the model's dtype
+    (FlashMLA's V3.2 format: 512 + 16 + 128 = 656 bytes)."""
+    return Fp8CacheLayout(kv_lora_rank, width - kv_lora_rank, dtype)
 
 
 # --- Triton ---------------------------------------------------------------------------------------
@@ -58,6 +80,8 @@ _MLA_NUM_WARPS = 8
 def _sparse_mla_split_kernel(
     q_ptr,
     cache_ptr,
+    scale_ptr,
+    rope_ptr,
     block_tables_ptr,
     seq_idx_ptr,
     topk_ptr,
@@ -80,6 +104,12 @@ def _sparse_mla_split_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    SCALE_OFFSET: tl.constexpr,
+    ROPE_OFFSET: tl.constexpr,
+    ROPE_ITEMSIZE: tl.constexpr,
+    GROUP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -124,17 +154,35 @@ def _sparse_mla_split_kernel(
             mask=valid,
             other=0,
         ).to(tl.int64)
-        rows = (blocks * BLOCK_SIZE_TOKENS + picks % BLOCK_SIZE_TOKENS) * width  # [BLOCK_K]
-        k_nope = tl.load(
-            cache_ptr + rows[:, None] + lat[None, :],
-            mask=valid[:, None] & lat_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_L]
-        k_rope = tl.load(
-            cache_ptr + rows[:, None] + KV_LORA_RANK + rope[None, :],
-            mask=valid[:, None] & rope_mask[None, :],
-            other=0.0,
-        )
+        slots = blocks * BLOCK_SIZE_TOKENS + picks % BLOCK_SIZE_TOKENS  # [BLOCK_K]
+        if FP8_CACHE:
+            # e4m3 latents x their group's scale; the RoPE part as stored. All one byte row.
+            lat_in = valid[:, None] & lat_mask[None, :]
+            row_bytes = slots * ROW_BYTES
+            k_nope = tl.load(cache_ptr + row_bytes[:, None] + lat[None, :], mask=lat_in, other=0.0)
+            scales = tl.load(
+                scale_ptr + (row_bytes + SCALE_OFFSET)[:, None] // 4 + lat[None, :] // GROUP,
+                mask=lat_in,
+                other=0.0,
+            )
+            k_nope = (k_nope.to(tl.float32) * scales).to(q_nope.dtype)  # [BLOCK_K, BLOCK_L]
+            k_rope = tl.load(
+                rope_ptr + (row_bytes + ROPE_OFFSET)[:, None] // ROPE_ITEMSIZE + rope[None, :],
+                mask=valid[:, None] & rope_mask[None, :],
+                other=0.0,
+            )
+        else:
+            rows = slots * width
+            k_nope = tl.load(
+                cache_ptr + rows[:, None] + lat[None, :],
+                mask=valid[:, None] & lat_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_L]
+            k_rope = tl.load(
+                cache_ptr + rows[:, None] + KV_LORA_RANK + rope[None, :],
+                mask=valid[:, None] & rope_mask[None, :],
+                other=0.0,
+            )
         if UPCAST_DOT:
             k_nope = k_nope.to(tl.float32)
             k_rope = k_rope.to(tl.float32)
@@ -222,12 +270,19 @@ def sparse_mla_attention_triton(
     """Triton twin of `sparse_mla_attention_reference` (split top-k + merge, two launches)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
-    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True, device=device)
+    num_tokens, num_heads, width = q.shape
+    fp8 = is_fp8_cache(kv_cache)
+    layout = latent_cache_layout(kv_lora_rank, width, q.dtype)
+    if fp8:
+        check_fp8_cache("kv_cache", kv_cache, layout, device)
+    else:
+        check_tensor(
+            "kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES, contiguous=True, device=device
+        )
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
     check_tensor("seq_idx", seq_idx, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_tensor("topk_indices", topk_indices, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    num_tokens, num_heads, width = q.shape
-    if kv_cache.shape[-1] != width or not 0 < kv_lora_rank < width:
+    if (not fp8 and kv_cache.shape[-1] != width) or not 0 < kv_lora_rank < width:
         raise ValueError(
             f"q heads {width} wide, cache rows {kv_cache.shape[-1]}, kv_lora_rank {kv_lora_rank}"
         )
@@ -260,6 +315,8 @@ def sparse_mla_attention_triton(
         q,
         q,
         kv_cache,
+        kv_cache.view(torch.float32) if fp8 else kv_cache,
+        kv_cache.view(q.dtype) if fp8 else kv_cache,
         block_tables,
         seq_idx,
         topk_indices,
@@ -282,6 +339,12 @@ def sparse_mla_attention_triton(
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_K=_MLA_BLOCK_K,
         UPCAST_DOT=dot_in_fp32(q.dtype),
+        FP8_CACHE=fp8,
+        ROW_BYTES=layout.bytes_per_token,
+        SCALE_OFFSET=layout.scale_offset,
+        ROPE_OFFSET=layout.tail_offset,
+        ROPE_ITEMSIZE=layout.tail_itemsize,
+        GROUP=FP8_CACHE_GROUP,
         num_warps=_MLA_NUM_WARPS,
         num_stages=2,
     )

@@ -3,7 +3,9 @@
 The model is built on the meta device with one rank's parallel state (no memory is touched), its
 layers turned FP8 where the checkpoint's are, and its parameters counted: the weight bytes per
 rank are those of the real shards. The KV bytes per token are `workers.kv_cache`'s, the function
-the worker sizes its caches with, so the plan and the engine account the same way.
+the worker sizes its caches with (with the same cache format: an FP8 latent cache under
+kv_cache_dtype="fp8", FP8 indexer keys under the fp8 indexer numerics), so the plan and the
+engine account the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from workers.kv_cache import cache_bytes_per_block
+from workers.kv_cache import CacheFormat, cache_bytes_per_block
 
 # What the plan leaves for activations, CUDA graphs and the allocator's slack: the worker sizes
 # its caches to gpu_memory_utilization of the total, minus what is in use after loading.
@@ -27,6 +29,8 @@ class MemoryPlan:
     weight_bytes_per_rank: int
     weight_bytes_by_dtype: dict[str, int]  # dtype name -> bytes over all ranks
     kv_bytes_per_token: int  # per rank: every cache (latent, indexer keys, the MTP layer's)
+    kv_cache_dtype: str  # the latent cache's: "auto" (the model's dtype) or "fp8"
+    indexer_numerics: str  # "fp8" also keeps the indexer keys in FP8
     gpu_memory_bytes: int
     max_cached_tokens: int
     max_model_len: int
@@ -61,12 +65,15 @@ def plan_memory(
     max_model_len: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    kv_cache_dtype: str = "auto",
+    indexer_numerics: str = "exact",
 ) -> MemoryPlan:
     from parallel.state import ParallelState, get_parallel_state, set_parallel_state
     from workers.loader import has_mtp_layer, keep_fp8_weights, load_config
     from workers.model import DeepseekV32ForCausalLM
     from workers.model_config import check_model_config, context_len
 
+    cache_format = CacheFormat.of(kv_cache_dtype, indexer_numerics)
     config = load_config(model_dir)
     check_model_config(config, tp_size, ep_size)
     names, fp8_source = _fp8_names(model_dir, config)
@@ -96,7 +103,7 @@ def plan_memory(
         name = str(p.dtype).removeprefix("torch.")
         by_dtype[name] = by_dtype.get(name, 0) + p.numel() * p.element_size()
     per_rank = sum(by_dtype.values())
-    kv_per_token = cache_bytes_per_block(config, 1, dtype, with_mtp)
+    kv_per_token = cache_bytes_per_block(config, 1, dtype, with_mtp, cache_format)
     total = int(gpu_memory_gib * 2**30)
     budget = max(0, int(total * utilization) - per_rank)
     max_cached = budget // kv_per_token
@@ -107,6 +114,8 @@ def plan_memory(
         weight_bytes_per_rank=per_rank,
         weight_bytes_by_dtype={k: v * tp_size for k, v in by_dtype.items()},
         kv_bytes_per_token=kv_per_token,
+        kv_cache_dtype=kv_cache_dtype,
+        indexer_numerics=indexer_numerics,
         gpu_memory_bytes=total,
         max_cached_tokens=int(max_cached),
         max_model_len=context,
@@ -128,7 +137,8 @@ def describe(plan: MemoryPlan) -> str:
         f"weights per rank: {_size(plan.weight_bytes_per_rank)}",
         "weights over all ranks by dtype: "
         + ", ".join(f"{k} {_size(v)}" for k, v in sorted(plan.weight_bytes_by_dtype.items())),
-        f"KV cache per token per rank: {plan.kv_bytes_per_token} bytes",
+        f"KV cache per token per rank: {plan.kv_bytes_per_token} bytes (latent "
+        f"{plan.kv_cache_dtype}, indexer numerics {plan.indexer_numerics})",
         f"tokens that fit in the rest of {_size(plan.gpu_memory_bytes)}: {plan.max_cached_tokens}",
         f"max_model_len {plan.max_model_len}: "
         + ("fits" if plan.fits else "does NOT fit (lower --max-model-len or add ranks)"),

@@ -149,7 +149,9 @@ class Indexer(nn.Module):
         q_latent: torch.Tensor,  # [T, q_lora_rank], after q_a_layernorm
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, index_head_dim]
+        # [num_blocks, block_size, index_head_dim]; FP8 rows (132 bytes a 128-wide key) with
+        # the fp8 numerics (workers.kv_cache.CacheFormat)
+        k_cache: torch.Tensor,
     ) -> torch.Tensor:
         cos, sin = cos_sin
         num_tokens = x.shape[0]
@@ -162,12 +164,14 @@ class Indexer(nn.Module):
             self.k_norm.eps,
             cos,
             sin,
-            k_cache,
+            None if self.fp8 else k_cache,
             meta.slot_mapping,
-        )  # [T, index_head_dim], as written
-        if self.fp8:  # the cache holds the rows FP8 scoring sees: they replace those just written
+        )  # [T, index_head_dim]
+        if self.fp8:  # the FP8 key cache (e4m3 + a scale per 128) holds what FP8 scoring sees
             q = ops.indexer_fp8(q)
-            ops.cache_rows_write(k_cache, meta.slot_mapping, ops.indexer_fp8(k_rows))
+            ops.fp8_cache_write(
+                k_cache, meta.slot_mapping, ops.hadamard_rotate(k_rows), self.head_dim
+            )
         weights = ops.linear_fp32(x, self.weights_proj.weight, self.num_heads**-0.5)  # [T, H]
         return ops.indexer_topk(
             q,
@@ -217,8 +221,10 @@ class MLAAttention(nn.Module):
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
-        index_cache: torch.Tensor,  # [num_blocks, block_size, index_head_dim]
+        # [num_blocks, block_size, kv_lora_rank + rope_dim], or FP8 rows (kv_cache_dtype="fp8":
+        # e4m3 latent + scales + RoPE part in the model's dtype); ops write and read either
+        kv_cache: torch.Tensor,
+        index_cache: torch.Tensor,  # [num_blocks, block_size, index_head_dim] (or FP8 rows)
         topk: torch.Tensor | None = None,  # [T, K] positions to attend to; None: the indexer's
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (output [T, hidden], the top-k positions attended to [T, K]). Given `topk`, the

@@ -18,7 +18,7 @@ from parallel.collectives import tp_broadcast
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
-from workers.kv_cache import allocate_kv_caches, max_blocks_per_seq
+from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
 from workers.logits_processors import process_logits, record_step_tokens
 from workers.mtp_proposer import MtpProposer
 from workers.sampler import generator_seed, token_logprobs, verify_and_sample
@@ -44,6 +44,7 @@ class ModelRunner:
         device: torch.device,
         cuda_graph_max_batch: int = 0,
         max_seq_slots: int = 8192,  # context + MTP lookahead: the block tables' width
+        cache_format: CacheFormat | None = None,  # None: the model's dtype throughout
     ):
         self.model = model
         self.device = device
@@ -55,6 +56,7 @@ class ModelRunner:
             model.dtype,
             device,
             with_mtp=model.mtp is not None,
+            cache_format=cache_format or CacheFormat(),
         )
         model.bind_caches(kv, idx)
         self.states: dict[str, _SeqState] = {}

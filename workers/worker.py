@@ -14,7 +14,7 @@ import torch
 
 from kernels.platform import ensure_triton_cache_dir
 from workers.batch import StepInput, StepOutput
-from workers.kv_cache import cache_bytes_per_block, max_blocks_per_seq
+from workers.kv_cache import CacheFormat, cache_bytes_per_block, max_blocks_per_seq
 from workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class WorkerSpec:
     max_seq_slots: int = 8192
     max_num_seqs: int = 64
     indexer_numerics: str = "exact"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (the MLA latent cache)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class Worker:
         max_seq_slots: int = 8192,
         max_num_seqs: int = 64,
         indexer_numerics: str = "exact",
+        kv_cache_dtype: str = "auto",
     ):
         from workers.loader import load_model
 
@@ -112,6 +114,7 @@ class Worker:
         self.model, self.config = load_model(model_dir, self.dtype, self.device, enable_mtp)
         self.model.set_topk_source(topk_src_rank)
         self.model.set_indexer_numerics(indexer_numerics)
+        self.cache_format = CacheFormat.of(kv_cache_dtype, indexer_numerics)
         if num_kv_blocks is None:
             num_kv_blocks = self._kv_blocks_from_memory(
                 block_size_tokens,
@@ -127,6 +130,7 @@ class Worker:
             self.device,
             cuda_graph_max_batch,
             max_seq_slots,
+            self.cache_format,
         )
 
     @classmethod
@@ -145,6 +149,7 @@ class Worker:
             max_seq_slots=spec.max_seq_slots,
             max_num_seqs=spec.max_num_seqs,
             indexer_numerics=spec.indexer_numerics,
+            kv_cache_dtype=spec.kv_cache_dtype,
         )
 
     @property
@@ -169,7 +174,9 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         # Leave room for activations and graphs: utilization of total minus what is in use.
         budget = max(0, int(total * utilization) - (total - free))
-        per_block = cache_bytes_per_block(self.config, block_size_tokens, self.dtype, self.has_mtp)
+        per_block = cache_bytes_per_block(
+            self.config, block_size_tokens, self.dtype, self.has_mtp, self.cache_format
+        )
         blocks = max(min(budget // per_block, wanted), floor)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB; GPU free %.1f of %.1f GiB)",

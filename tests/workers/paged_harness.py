@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from workers.attention_metadata import AttentionMetadata
-from workers.kv_cache import allocate_kv_caches
+from workers.kv_cache import CacheFormat, allocate_kv_caches
 
 BLOCK = 64
 
@@ -13,11 +13,23 @@ BLOCK = 64
 class PagedHarness:
     """Feeds a model mixed batches (any number of new tokens per sequence) over a paged cache."""
 
-    def __init__(self, model, num_seqs: int, max_len: int, num_blocks: int | None = None):
+    def __init__(
+        self,
+        model,
+        num_seqs: int,
+        max_len: int,
+        num_blocks: int | None = None,
+        kv_cache_dtype: str = "auto",
+    ):
         self.model = model
         blocks_per_seq = -(-max_len // BLOCK)
         num_blocks = num_blocks or num_seqs * blocks_per_seq + 1
-        kv, idx = allocate_kv_caches(model.config, num_blocks, BLOCK, model.dtype, "cpu")
+        # The indexer's key cache is FP8 when the model scores with the FP8 numerics.
+        numerics = "fp8" if model.model.layers[0].self_attn.indexer.fp8 else "exact"
+        cache_format = CacheFormat.of(kv_cache_dtype, numerics)
+        kv, idx = allocate_kv_caches(
+            model.config, num_blocks, BLOCK, model.dtype, "cpu", cache_format=cache_format
+        )
         model.bind_caches(kv, idx)
         # Interleave block ids across sequences so a sequence's blocks are not contiguous.
         ids = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
