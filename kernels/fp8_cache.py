@@ -5,8 +5,8 @@ dtype, packed in one byte row. The twins (quantize, pack, unpack, write) and the
 FlashMLA's FP8 sparse-decode cache for DeepSeek-V3.2 is this layout with a 512-wide latent and a
 64-wide bf16 RoPE tail: 512 + 4 x 4 + 128 = 656 bytes a token (bf16: 1152). The indexer's key
 cache is the layout without a tail, as DeepSeek's reference inference keeps it (`act_quant` of
-the key in 1x128 blocks into an FP8 k_cache and a float32 k_scale_cache): 128 + 4 = 132 bytes
-(bf16: 256).
+the key in 1x128 blocks into an FP8 k_cache and a float32 k_scale_cache): 128 + 4 = 132 bytes,
+padded to 144 so that every row starts on 16 bytes (bf16: 256).
 
 Scales follow DeepSeek-V3.2's `act_quant` under its config's `scale_fmt: "ue8m0"` (FlashMLA's
 quantizer rounds the same way): amax clamped below at 1e-4, scale = amax / 448 rounded up to a
@@ -33,6 +33,7 @@ FP8_CACHE_DTYPE = torch.float8_e4m3fn
 FP8_CACHE_GROUP = 128  # values per scale
 AMAX_FLOOR = 1e-4  # DeepSeek's act_quant clamps amax here (an all-zero group gets a tiny scale)
 _SCALE_BYTES = 4
+_ROW_ALIGN_BYTES = 16
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -65,8 +66,10 @@ class Fp8CacheLayout:
 
     @property
     def bytes_per_token(self) -> int:
+        # Rows start on 16-byte boundaries, as vectorized loads need (132-byte indexer rows
+        # were a misaligned address on the H200; FlashMLA's 656-byte latent rows already are).
         end = self.tail_offset + self.tail_width * self.tail_itemsize
-        return _round_up(end, max(_SCALE_BYTES, self.tail_itemsize))
+        return _round_up(end, _ROW_ALIGN_BYTES)
 
     @property
     def width(self) -> int:
@@ -184,7 +187,10 @@ def _round_to_e4m3(x):
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     # Subnormal e4m3 steps 2**-9; fp32 steps that much in [2**14, 2**15), so the add rounds.
     magnitude = (tl.abs(x) + 16384.0) - 16384.0
-    subnormal = tl.where(x < 0, -magnitude, magnitude)
+    # The sign by its bit: a tiny negative rounds to -0.0, as torch's conversion gives (the
+    # compiled `where(x < 0, -m, m)` gave +0.0 on the H200: one byte of 128 differed).
+    sign = bits & -2147483648
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 

@@ -1,8 +1,8 @@
 """Lightning-indexer logits over the paged key cache, and causal top-k.
 
 The key cache is the model's dtype (exact numerics) or, with the FP8 numerics, FP8 rows as
-DeepSeek keeps them (kernels/fp8_cache.py: e4m3 keys, a float32 scale per 128 dims, 132 bytes a
-128-wide key), dequantized as they are loaded: exactly the FP8-rounded keys."""
+DeepSeek keeps them (kernels/fp8_cache.py: e4m3 keys, a float32 scale per 128 dims, 144 bytes a
+128-wide key with the row padding), dequantized as they are loaded: exactly the FP8-rounded keys."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ matrix (orthogonal, so exact scores are unchanged; the rotation spreads outliers
 block before quantization). `transformers` computes the scores exactly; mtpserve offers both,
 exact by default. The queries and keys are quantized as DeepSeek-V3.2's `act_quant` does under
 its `scale_fmt: "ue8m0"` (kernels/fp8_cache.py: power-of-two scales per 128 values), the keys
-into an FP8 cache (132 bytes a 128-wide key); this twin rounds a row as FP8 would and keeps it
-in the model's dtype (exactly: power-of-two scales).
+into an FP8 cache (144 bytes a 128-wide key, padding included); this twin rounds a row as FP8
+would and keeps it in the model's dtype (exactly: power-of-two scales).
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class Indexer(nn.Module):
         q_latent: torch.Tensor,  # [T, q_lora_rank], after q_a_layernorm
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        # [num_blocks, block_size, index_head_dim]; FP8 rows (132 bytes a 128-wide key) with
+        # [num_blocks, block_size, index_head_dim]; FP8 rows (144 bytes a 128-wide key) with
         # the fp8 numerics (workers.kv_cache.CacheFormat)
         k_cache: torch.Tensor,
     ) -> torch.Tensor:

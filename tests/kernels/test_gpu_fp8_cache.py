@@ -1,4 +1,4 @@
-"""GPU: the FP8 caches at DeepSeek-V3.2's real shapes (656-byte latent rows, 132-byte indexer
+"""GPU: the FP8 caches at DeepSeek-V3.2's real shapes (656-byte latent rows, 144-byte indexer
 keys) against their twins. Run on the H200 with `pytest -m gpu tests/kernels`."""
 
 from __future__ import annotations

@@ -78,11 +78,12 @@ def test_bytes_per_token_deepseek_v32():
         for numerics in ("exact", "fp8")
     }
     layers = 61 + 1  # and the MTP layer
-    # bf16: 576-wide latent + 128-wide key; FP8: FlashMLA's 656-byte rows, 132-byte keys.
+    # bf16: 576-wide latent + 128-wide key; FP8: FlashMLA's 656-byte rows, 144-byte keys (132
+    # aligned to 16 bytes).
     assert per_token["auto", "exact"] == layers * (576 + 128) * 2
-    assert per_token["auto", "fp8"] == layers * (576 * 2 + 132)
+    assert per_token["auto", "fp8"] == layers * (576 * 2 + 144)
     assert per_token["fp8", "exact"] == layers * (656 + 128 * 2)
-    assert per_token["fp8", "fp8"] == layers * (656 + 132)
+    assert per_token["fp8", "fp8"] == layers * (656 + 144)
 
 
 def test_plan_counts_the_fp8_caches_the_engine_allocates(tiny_model_dir):
