@@ -334,7 +334,7 @@ class OpenAIIngress:
         numbers = {k: v for k, v in stats.items() if _is_number_or_numbers(v)}
         return JSONResponse({"status": "ok", "engine": numbers})
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)  # Prometheus text, not part of the API
     async def metrics(self) -> Response:
         """Prometheus text: every engine replica of this app (deploy/metrics.py)."""
         body = b""
