@@ -146,6 +146,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             max_ongoing_requests=1000,
             ray_actor_options={"num_cpus": 0},
             logging_config={"enable_access_log": False},
+            # Nothing to drain (a lost report is resent within a second): stop at once.
+            graceful_shutdown_wait_loop_s=0.1,
+            graceful_shutdown_timeout_s=0.5,
         )
         .bind()
     )
