@@ -68,6 +68,7 @@ logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="mtpserve", docs_url=None, redoc_url=None)
 
+METRICS_TIMEOUT_S = 5.0
 _END = object()  # marks the end of one choice's stream inside `_merge`
 
 
@@ -340,7 +341,8 @@ class OpenAIIngress:
         body = b""
         if self._metrics_hub is not None:
             try:
-                body = await self._metrics_hub.render.remote()
+                # A hub being replaced must not hang the scraper (Prometheus waits 10 s).
+                body = await asyncio.wait_for(self._metrics_hub.render.remote(), METRICS_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a scrape failing must say so, not crash
                 logger.warning("metrics hub call failed", exc_info=True)
                 return error_response(503, "metrics are unavailable", "service_unavailable")
