@@ -19,7 +19,7 @@ from cluster.config import (
     resolve_config,
 )
 from cluster.executor import WorkerError, make_executor
-from cluster.outputs import RequestOutput, SpecDecodeStats, make_request_output
+from cluster.outputs import EngineCounters, RequestOutput, SpecDecodeStats, make_request_output
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -30,15 +30,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
+    """Gauges now, and counters cumulative since the engine started (a restarted engine counts
+    from zero again, which Prometheus reads as a counter reset)."""
+
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    # Every verify round so far (1.0 and [] with MTP off: a round then gains exactly one token).
     mean_tokens_per_round: float
     acceptance_per_position: list[float]
     # Prefix caching, cumulative, in tokens: what admissions looked up, and found cached.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_finished: dict[str, int] = dataclasses.field(default_factory=dict)  # by finish_reason
+    num_draft_tokens: int = 0  # the k the engine runs with; 0: MTP off
+    spec: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
 
     @property
     def kv_usage(self) -> float:
@@ -122,7 +131,7 @@ class LLMEngine:
             block_manager,
             tokenizer=self.tokenizer,
         )
-        self.spec_stats = SpecDecodeStats()
+        self.counters = EngineCounters()
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
         self._counter = itertools.count()
@@ -159,7 +168,7 @@ class LLMEngine:
         if request is None:
             return None
         self._finished_ids.append(request_id)
-        return make_request_output(request)
+        return self._output(request)
 
     @property
     def has_unfinished(self) -> bool:
@@ -182,9 +191,14 @@ class LLMEngine:
         for request in changed:
             if request.is_finished:
                 self._finished_ids.append(request.request_id)
-                self.spec_stats.merge(request.spec_stats)
-            outputs.append(make_request_output(request))
+            outputs.append(self._output(request))
         return outputs
+
+    def _output(self, request: Request) -> RequestOutput:
+        """Every output the engine yields is built here, and counted."""
+        out = make_request_output(request)
+        self.counters.observe(out)
+        return out
 
     def _execute_isolating(self, step: StepInput) -> tuple[dict[str, SeqResult], dict[str, str]]:
         """Run the step; if its code raised on the ranks and every rank finished it and still
@@ -220,7 +234,7 @@ class LLMEngine:
         # The details (which may name actors and hosts) go to the log, not to the client.
         request.error = "the request failed inside an engine step (the server log has why)"
         self._finished_ids.append(request_id)
-        return make_request_output(request)
+        return self._output(request)
 
     def _step_input(self, scheduled: SchedulerOutput) -> StepInput:
         seqs = []
@@ -273,20 +287,32 @@ class LLMEngine:
             self.scheduler.abort(request.request_id)
             request.status = RequestStatus.FINISHED_ERROR
             request.error = error
-            outputs.append(make_request_output(request))
+            outputs.append(self._output(request))
         return outputs
 
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Every verify round so far, aborted requests' included."""
+        return self.scheduler.spec_stats
+
     def stats(self) -> EngineStats:
+        """Safe to call from another thread while the engine steps (copies, never locks)."""
         bm = self.scheduler.block_manager
+        spec = self.scheduler.spec_stats.snapshot()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_usable_blocks,
-            mean_tokens_per_round=self.spec_stats.mean_tokens_per_round,
-            acceptance_per_position=self.spec_stats.acceptance_per_position,
+            mean_tokens_per_round=spec.mean_tokens_per_round,
+            acceptance_per_position=spec.acceptance_per_position,
             prefix_cache_queried_tokens=bm.stats.num_queried_tokens,
             prefix_cache_hit_tokens=bm.stats.num_hit_tokens,
+            num_prompt_tokens=self.counters.num_prompt_tokens,
+            num_generation_tokens=self.counters.num_generation_tokens,
+            num_finished=dict(self.counters.num_finished),
+            num_draft_tokens=self.num_draft_tokens,
+            spec=spec,
         )
 
     def check_health(self) -> None:

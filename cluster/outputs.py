@@ -1,6 +1,7 @@
-"""MTP acceptance counters (`SpecDecodeStats`) and what the engine yields to callers
-(`RequestOutput`). What one step returns per request is the worker's `workers.batch.SeqResult`,
-which the scheduler consumes as it crosses the actor boundary, with no copy into a type of ours.
+"""MTP acceptance counters (`SpecDecodeStats`), the engine's cumulative counters
+(`EngineCounters`) and what the engine yields to callers (`RequestOutput`). What one step
+returns per request is the worker's `workers.batch.SeqResult`, which the scheduler consumes as
+it crosses the actor boundary, with no copy into a type of ours.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ class SpecDecodeStats:
 
     A round is one verify step of a request past its prefill (with or without drafts). Draft
     position i counts as accepted in a round iff the first i+1 drafts all matched, so
-    `num_accepted_per_position` is non-increasing.
+    `num_accepted_per_position` is non-increasing. A *draft* (vLLM's `num_drafts`) is a round
+    that verified at least one draft token: `num_proposed_per_position[0]`.
     """
 
     num_rounds: int = 0
@@ -28,20 +30,48 @@ class SpecDecodeStats:
     num_accepted_per_position: list[int] = field(default_factory=list)
 
     def observe(self, num_draft_tokens: int, num_accepted_drafts: int) -> None:
-        """Record one verify round that checked `num_draft_tokens` drafts."""
+        """Record one verify round that checked `num_draft_tokens` drafts.
+
+        Proposed counts are raised before accepted ones, and `snapshot` reads them the other
+        way round, so a snapshot taken from another thread mid-round still has accepted <=
+        proposed everywhere."""
         if not 0 <= num_accepted_drafts <= num_draft_tokens:
             raise ValueError(f"accepted {num_accepted_drafts} of {num_draft_tokens} drafts")
         self.num_rounds += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_drafts += num_accepted_drafts
         grow = num_draft_tokens - len(self.num_proposed_per_position)
         if grow > 0:
             self.num_proposed_per_position.extend([0] * grow)
             self.num_accepted_per_position.extend([0] * grow)
+        self.num_draft_tokens += num_draft_tokens
         for i in range(num_draft_tokens):
             self.num_proposed_per_position[i] += 1
+        self.num_accepted_drafts += num_accepted_drafts
         for i in range(num_accepted_drafts):
             self.num_accepted_per_position[i] += 1
+
+    def snapshot(self) -> SpecDecodeStats:
+        """A copy that may be taken while another thread observes (see `observe`)."""
+        num_accepted_per_position = list(self.num_accepted_per_position)
+        num_accepted_drafts = self.num_accepted_drafts
+        num_proposed_per_position = list(self.num_proposed_per_position)
+        num_draft_tokens = self.num_draft_tokens
+        num_rounds = self.num_rounds
+        # A list may have grown between the two copies: pad the accepted one.
+        num_accepted_per_position += [0] * (
+            len(num_proposed_per_position) - len(num_accepted_per_position)
+        )
+        return SpecDecodeStats(
+            num_rounds,
+            num_draft_tokens,
+            num_accepted_drafts,
+            num_proposed_per_position,
+            num_accepted_per_position[: len(num_proposed_per_position)],
+        )
+
+    @property
+    def num_drafts(self) -> int:
+        """Rounds that verified at least one draft token."""
+        return self.num_proposed_per_position[0] if self.num_proposed_per_position else 0
 
     def merge(self, other: SpecDecodeStats) -> None:
         """Add `other`'s counters into these (engine-wide totals)."""
@@ -73,6 +103,25 @@ class SpecDecodeStats:
             a / p if p else 0.0
             for p, a in zip(self.num_proposed_per_position, self.num_accepted_per_position)
         ]
+
+
+@dataclass
+class EngineCounters:
+    """What the engine did since it started, counted as it happens (every output the engine
+    yields passes through `observe`), so aborted and failed requests count too. MTP rounds are
+    counted by the scheduler at each step (`Scheduler.spec_stats`)."""
+
+    num_prompt_tokens: int = 0  # of requests that produced their first token
+    num_generation_tokens: int = 0  # output tokens, every request's
+    num_finished: dict[str, int] = field(default_factory=dict)  # requests by finish_reason
+
+    def observe(self, out: RequestOutput) -> None:
+        if out.new_token_ids and len(out.token_ids) == len(out.new_token_ids):
+            self.num_prompt_tokens += out.num_prompt_tokens  # its first tokens: prefill done
+        self.num_generation_tokens += len(out.new_token_ids)
+        if out.finished:
+            reason = out.finish_reason or "unknown"
+            self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
 
 
 @dataclass

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from cluster.block_manager import BlockManager
 from cluster.config import EngineConfig, lookahead_slots
 from cluster.detokenizer import IncrementalDetokenizer, find_stop_string, stop_search_start
+from cluster.outputs import SpecDecodeStats
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError
 from workers.batch import SeqResult
@@ -149,6 +150,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # unfinished only
         self._order: dict[str, int] = {}  # add order; breaks arrival_time ties
         self._next_order = itertools.count()
+        # Every verify round of every request, counted here at the step (so an aborted
+        # request's rounds count too); a request's own rounds are in `request.spec_stats`.
+        self.spec_stats = SpecDecodeStats()
 
     # ---- queue state -----------------------------------------------------------------------
 
@@ -419,6 +423,7 @@ class Scheduler:
                 continue
             if not scheduled.is_prefill:
                 request.spec_stats.observe(scheduled.num_draft_tokens, result.num_accepted_drafts)
+                self.spec_stats.observe(scheduled.num_draft_tokens, result.num_accepted_drafts)
             if len(result.sampled_token_ids) != result.num_accepted_drafts + 1:
                 raise ValueError(
                     f"{request.request_id}: {len(result.sampled_token_ids)} sampled tokens for "

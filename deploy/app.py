@@ -1,4 +1,5 @@
-"""The Serve application: OpenAI ingress -> model server (one engine per replica).
+"""The Serve application: OpenAI ingress -> model server (one engine per replica), and the
+metrics hub that both report to (`GET /metrics`, deploy/metrics.py).
 
 `build_app(args)` is the app builder for Serve configs (`import_path: deploy.app:build_app`) and
 is what `mtpserve serve` deploys. Resource shape of one model-server replica (STRICT_PACK, so an
@@ -21,12 +22,14 @@ from ray.serve.config import RequestRouterConfig
 from cluster.config import EngineConfig
 from deploy.ingress import OpenAIIngress
 from deploy.limits import IngressLimits
+from deploy.metrics import MetricsHub
 from deploy.model_server import ModelServer
 from deploy.prefix_router import PrefixAffinityRouter
 
 MODEL_SERVER_NAME = "ModelServer"
 INGRESS_NAME = "OpenAIIngress"
-SERVER_NAME = "OpenAIServer"  # the one deployment of a colocated app
+SERVER_NAME = "OpenAIServer"  # the engine deployment of a colocated app
+METRICS_HUB_NAME = "MetricsHub"
 
 
 class AppArgs(BaseModel):
@@ -149,6 +152,22 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         if args.autoscaling_config
         else {"num_replicas": args.num_replicas}
     )
+    # Every engine replica pushes its metrics here; `GET /metrics` renders them all
+    # (deploy/metrics.py says why). Tiny and idle: no CPU reserved.
+    metrics_hub = (
+        serve.deployment(MetricsHub)
+        .options(
+            name=METRICS_HUB_NAME,
+            num_replicas=1,
+            max_ongoing_requests=1000,
+            ray_actor_options={"num_cpus": 0},
+            logging_config={"enable_access_log": False},
+            # Nothing to drain (a lost report is resent within a second): stop at once.
+            graceful_shutdown_wait_loop_s=0.1,
+            graceful_shutdown_timeout_s=0.5,
+        )
+        .bind()
+    )
     if args.colocate:
         from deploy.openai_server import OpenAIServer
 
@@ -159,7 +178,11 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             **scaling,
         )
         return server.bind(
-            engine_config_dict(args), args.stream_chunks_per_s, ingress_limits(args), args.api_key
+            engine_config_dict(args),
+            args.stream_chunks_per_s,
+            ingress_limits(args),
+            args.api_key,
+            metrics_hub,
         )
     routing: dict[str, Any] = {}
     if args.prefix_aware_routing:
@@ -183,9 +206,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         logging_config={"enable_access_log": args.access_log},
     )
     return ingress.bind(
-        model_server.bind(engine_config_dict(args), args.stream_chunks_per_s),
+        model_server.bind(engine_config_dict(args), args.stream_chunks_per_s, metrics_hub),
         ingress_limits(args),
         args.api_key,
+        metrics_hub,
     )
 
 

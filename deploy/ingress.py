@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -67,6 +68,7 @@ logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="mtpserve", docs_url=None, redoc_url=None)
 
+METRICS_TIMEOUT_S = 5.0
 _END = object()  # marks the end of one choice's stream inside `_merge`
 
 
@@ -190,8 +192,10 @@ class OpenAIIngress:
         model_server: DeploymentHandle,
         limits: IngressLimits | None = None,
         api_key: str | None = None,
+        metrics_hub: DeploymentHandle | None = None,
     ):
         self._model_server = model_server
+        self._metrics_hub = metrics_hub  # deploy.metrics.MetricsHub: every engine replica
         app.state.api_key = api_key
         self._stream_server = model_server.options(stream=True)
         self._limits = limits or IngressLimits()
@@ -330,6 +334,19 @@ class OpenAIIngress:
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         numbers = {k: v for k, v in stats.items() if _is_number_or_numbers(v)}
         return JSONResponse({"status": "ok", "engine": numbers})
+
+    @app.get("/metrics", include_in_schema=False)  # Prometheus text, not part of the API
+    async def metrics(self) -> Response:
+        """Prometheus text: every engine replica of this app (deploy/metrics.py)."""
+        body = b""
+        if self._metrics_hub is not None:
+            try:
+                # A hub being replaced must not hang the scraper (Prometheus waits 10 s).
+                body = await asyncio.wait_for(self._metrics_hub.render.remote(), METRICS_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a scrape failing must say so, not crash
+                logger.warning("metrics hub call failed", exc_info=True)
+                return error_response(503, "metrics are unavailable", "service_unavailable")
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(self, request: CompletionRequest):

@@ -40,12 +40,9 @@ from cluster.config import EngineConfig
 from cluster.outputs import RequestOutput, join_outputs
 from cluster.sampling_params import InvalidRequestError
 from deploy.messages import GenerateChunk, GenerateFailure, GenerateRequest, ModelInfo
-from deploy.metrics import EngineMetrics
+from deploy.metrics import REPORT_PERIOD_S, ReplicaMetrics, current_replica_id
 
 logger = logging.getLogger("ray.serve")
-
-# How often the replica copies engine gauges (queue depth, running, KV usage) to Prometheus.
-STATS_PERIOD_S = 1.0
 
 # The replica's streamed-chunk budget when AppArgs.stream_chunks_per_s is None: per core of the
 # node, capped. On the 2-core box (16 streams x 32 tokens, colocated, three alternating runs
@@ -111,9 +108,16 @@ async def _maybe_await(value):
 
 
 class ModelServer:
-    """Serve deployment class; `deploy.app.build_app` wraps it with `serve.deployment`."""
+    """Serve deployment class; `deploy.app.build_app` wraps it with `serve.deployment`.
+    `metrics_hub`: the app's `deploy.metrics.MetricsHub` handle, which this replica's metrics
+    are pushed to (None: kept here only)."""
 
-    def __init__(self, engine_config: dict, stream_chunks_per_s: float | None = None):
+    def __init__(
+        self,
+        engine_config: dict,
+        stream_chunks_per_s: float | None = None,
+        metrics_hub=None,
+    ):
         if engine_config.get("model") is None:
             from workers.default_model import default_model_path
 
@@ -131,7 +135,9 @@ class ModelServer:
             warm_up.num_graphs,
             self._engine.engine.config,  # resolved: the draft length and context chosen
         )
-        self._metrics = EngineMetrics(self._engine.model_name)
+        self._metrics = ReplicaMetrics(self._engine.model_name)
+        self._metrics_hub = metrics_hub
+        self._replica_id = current_replica_id()
         self._stats_task: asyncio.Task | None = None
         self._stream_chunks_per_s = resolve_stream_chunks_per_s(stream_chunks_per_s)
         logger.info("streamed chunks: at most %.0f per second", self._stream_chunks_per_s)
@@ -156,14 +162,17 @@ class ModelServer:
             request.prompt_token_ids, request.params, request.request_id
         )
         arrived_s = time.perf_counter()
-        first_token_s: float | None = None
+        last_token_s: float | None = None  # when the previous output with tokens arrived
         finished = False
+        admitted = False  # the engine took it (a refusal raises before any output)
         unsent: list[RequestOutput] = []
         next_chunk_s = 0.0  # a streamed chunk waits for this time (time.monotonic())
         if request.stream:
             self._num_streams += 1
         try:
             async for out in outputs:
+                admitted = True
+                last_token_s = self._observe_latency(out, arrived_s, last_token_s)
                 if out.finished and out.finish_reason == "error":
                     finished = True
                     yield failure_from_exception(
@@ -174,23 +183,15 @@ class ModelServer:
                     return
                 # A stream's first output is sent at once (the ingress answers 200 on it).
                 first = next_chunk_s == 0.0 and request.stream
-                if len(unsent) == 0 and next_chunk_s == 0.0:  # accepted (a refusal raises)
-                    self._metrics.num_prompt_tokens.inc(len(request.prompt_token_ids))
-                if first_token_s is None and out.new_token_ids:
-                    first_token_s = time.perf_counter()
-                    self._metrics.time_to_first_token_s.observe(first_token_s - arrived_s)
                 unsent.append(out)
                 if not (first or out.finished or request.stream):
                     continue  # not streamed: one chunk, the whole completion
                 if out.finished:  # sent at once, whatever the interval
                     finished = True
-                    self._record_finished(out, first_token_s)
                 elif not first and time.monotonic() < next_chunk_s:
                     continue  # joins the next chunk
                 joined = join_outputs(unsent)
                 unsent = []
-                if joined.new_token_ids:
-                    self._metrics.num_generation_tokens.inc(len(joined.new_token_ids))
                 yield to_chunk(joined)
                 if finished:
                     return
@@ -212,6 +213,8 @@ class ModelServer:
         finally:
             if request.stream:
                 self._num_streams -= 1
+            if admitted or not finished:  # not refused: finished, failed or aborted
+                self._metrics.e2e_request_latency_s.observe(time.perf_counter() - arrived_s)
             if not finished:
                 # Cancelled mid-stream (client went away): free the request's KV blocks now.
                 await self._engine.abort(request.request_id)
@@ -238,23 +241,43 @@ class ModelServer:
             self._stats_task.cancel()
         await _maybe_await(self._engine.shutdown())
 
-    def _record_finished(self, out: RequestOutput, first_token_s: float | None) -> None:
-        self._metrics.num_finished.inc(tags={"finish_reason": out.finish_reason or "unknown"})
-        num_tokens = len(out.token_ids)
-        if first_token_s is not None and num_tokens > 1:
-            tpot_s = (time.perf_counter() - first_token_s) / (num_tokens - 1)
-            self._metrics.time_per_output_token_s.observe(tpot_s)
-        if out.spec is not None and out.spec.mean_tokens_per_round:
-            self._metrics.mtp_accepted_length.observe(out.spec.mean_tokens_per_round)
+    def _observe_latency(
+        self, out: RequestOutput, arrived_s: float, last_token_s: float | None
+    ) -> float | None:
+        """TTFT at a request's first tokens, then the inter-token latency of each new token
+        (tokens arriving together share the time since the previous ones). -> the new
+        `last_token_s`."""
+        num_tokens = len(out.new_token_ids)
+        if num_tokens == 0:
+            return last_token_s
+        now_s = time.perf_counter()
+        if last_token_s is None:
+            self._metrics.time_to_first_token_s.observe(now_s - arrived_s)
+            self._metrics.observe_tokens(num_tokens - 1, 0.0)
+        else:
+            self._metrics.observe_tokens(num_tokens, now_s - last_token_s)
+        return now_s
+
+    def metrics_report(self):
+        """This replica's metrics now (`deploy.metrics.MetricsReport`)."""
+        self._metrics.update(self.engine_stats())
+        return self._metrics.report(self._replica_id)
 
     def _ensure_stats_loop(self) -> None:
         if self._stats_task is None or self._stats_task.done():
             self._stats_task = asyncio.get_running_loop().create_task(self._stats_loop())
 
     async def _stats_loop(self) -> None:
+        """Push this replica's metrics to the app's hub, cumulative, every REPORT_PERIOD_S."""
+        failing = False
         while True:
             try:
-                self._metrics.record_engine_stats(self.engine_stats())
+                report = self.metrics_report()
+                if self._metrics_hub is not None:
+                    await self._metrics_hub.report.remote(report)
+                failing = False
             except Exception:  # metrics must never take the replica down
-                logger.exception("engine stats failed")
-            await asyncio.sleep(STATS_PERIOD_S)
+                if not failing:  # once per outage, not once a second
+                    logger.warning("metrics report failed", exc_info=True)
+                failing = True
+            await asyncio.sleep(REPORT_PERIOD_S)

@@ -86,10 +86,15 @@ class OpenAIServer(OpenAIIngress):
         stream_chunks_per_s: float | None = None,
         limits: IngressLimits | None = None,
         api_key: str | None = None,
+        metrics_hub=None,
     ):
         # Seconds of loading and warm-up: off the event loop, which Serve already runs.
-        self._server = await asyncio.to_thread(ModelServer, engine_config, stream_chunks_per_s)
-        await super().__init__(InProcessHandle(self._server), limits, api_key)
+        self._server = await asyncio.to_thread(
+            ModelServer, engine_config, stream_chunks_per_s, metrics_hub
+        )
+        # `/metrics` asks the hub, like the two-deployment app: a scrape reaches one replica,
+        # and must see all of them.
+        await super().__init__(InProcessHandle(self._server), limits, api_key, metrics_hub)
 
     async def check_health(self) -> None:
         await self._server.check_health()

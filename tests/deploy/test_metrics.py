@@ -1,86 +1,149 @@
-"""Our Prometheus metrics reach Ray's metrics export port: after known requests to an app of
-this test's own (so no other test's requests count), the token counters equal exactly their
-tokens, the TTFT / TPOT histograms count them with plausible values, and the KV-usage gauge is a
-fraction.
+"""`GET /metrics` on the HTTP port, scraped with prometheus_client's parser after known requests.
 
-Ray exports application metrics with a `ray_` prefix on each node's `metrics_export_port`, some
-seconds after they are recorded; Serve tags each with its application. The test polls, bounded.
+The MTP app of this module (only its tests talk to it): colocated, two replicas, MTP k = 2 on a
+tiny checkpoint whose MTP layer echoes the target (so drafts are accepted as well as rejected),
+an API key (the scrape carries none). Requests go one at a time, so each runs alone in its
+engine as in the offline reference: the spec-decode counters must equal the offline engine's,
+summed over both replicas. Then a client disconnects mid-stream: the abort is counted, and so
+are its rounds. The session app (two deployments, MTP off) shows no spec-decode numbers.
+The Grafana dashboard queries only names that /metrics serves.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import re
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
+import torch
 from conftest import app_args
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
-SAMPLE = re.compile(
-    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+"
-    r"(?P<value>\S+)"
-)
 APP = "metricsapp"
-PROMPTS = ["The capital of France is", "Once upon a time there", "def fibonacci(n):"]
-MAX_TOKENS = 7
+KEY = "metrics-key"
+NUM_DRAFTS = 2
+NUM_REPLICAS = 2
+MAX_TOKENS = 12
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
+
+
+def _prompts() -> list[list[int]]:
+    """Token ids: a repeated token (the tiny model then repeats too, and its echoing MTP layer
+    gets drafts at both positions accepted) and random ones (mostly rejected)."""
+    g = torch.Generator().manual_seed(0)
+    return [[7] * 8] + [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(3)]
 
 
 @pytest.fixture(scope="module")
-def metrics_app(serve_url, tiny_model_dir):
-    """(base URL, model name) of an app whose metrics only this test's requests move."""
+def echo_model_dir(tmp_path_factory) -> str:
+    from workers.tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("echo-model")), seed=0, mtp_echo=0.1)
+
+
+@pytest.fixture(scope="module")
+def mtp_app(serve_url, echo_model_dir):
+    """(base URL, model name) of the colocated two-replica MTP app."""
     from ray import serve
 
     from deploy.app import build_app
 
-    serve.run(build_app(app_args(tiny_model_dir)), name=APP, route_prefix=f"/{APP}")
+    args = {
+        **app_args(echo_model_dir),
+        "num_draft_tokens": NUM_DRAFTS,
+        "colocate": True,
+        "num_replicas": NUM_REPLICAS,
+        "api_key": KEY,
+    }
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     url = f"{serve_url}/{APP}"
-    yield url, httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    yield url, httpx.get(f"{url}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
     serve.delete(APP)
 
 
-def metrics_url(ray_session) -> str:
-    node = next(n for n in ray_session.nodes() if n["Alive"])
-    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+Samples = dict[tuple[str, frozenset], float]
 
 
-def scrape(url: str, model: str) -> dict[str, float]:
-    """Our samples (`ray_mtpserve_*`) of this test's app for `model`, summed over replicas,
-    keyed by name plus the labels that matter (`le`, `finish_reason`)."""
-    totals: dict[str, float] = defaultdict(float)
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        match = SAMPLE.match(line)
-        if not match or not match["name"].startswith("ray_mtpserve_"):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match["labels"] or ""))
-        if labels.get("model") != model or labels.get("application") != APP:
-            continue
-        key = match["name"] + "".join(
-            f"|{k}={labels[k]}" for k in ("le", "finish_reason") if k in labels
-        )
-        totals[key] += float(match["value"])
-    return dict(totals)
+def scrape(url: str) -> Samples:
+    """Every sample of `url`/metrics, parsed by prometheus_client, keyed by (name, labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{url}/metrics", timeout=30)  # no API key: scrapers carry none
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain; version=")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples
 
 
-def _counter(samples: dict[str, float], name: str) -> float:
-    """Ray may export a counter with or without Prometheus' `_total` suffix."""
-    return samples.get(f"ray_{name}_total", samples.get(f"ray_{name}", 0.0))
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """`mtpserve:<name>` summed over replicas (and over labels not given)."""
+    return sum(
+        value
+        for (sample_name, sample_labels), value in samples.items()
+        if sample_name == f"mtpserve:{name}" and set(labels.items()) <= sample_labels
+    )
 
 
-def test_token_counters_and_latency_histograms_reach_prometheus(
-    ray_session, metrics_app, tiny_model_dir
-):
-    import openai
-    from transformers import AutoTokenizer
+def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for (sample_name, labels), value in samples.items():
+        if sample_name == f"mtpserve:{name}":
+            out[dict(labels)[label]] += value
+    return dict(out)
 
-    app_url, model = metrics_app
-    client = openai.OpenAI(base_url=f"{app_url}/v1", api_key="unused", max_retries=0, timeout=60)
-    url = metrics_url(ray_session)
-    prompt_tokens = 0
-    for prompt in PROMPTS:
+
+def wait_for(url: str, done, timeout_s: float = 60.0) -> Samples:
+    """Scrape until `done(samples)`: replicas report about once a second."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(url)
+        if done(samples):
+            return samples
+        assert time.monotonic() < deadline, sorted({name for name, _ in samples})
+        time.sleep(0.5)
+
+
+def _offline_spec(model_dir: str, prompts: list[list[int]]):
+    """The offline engine's MTP counters over `prompts`, each run alone."""
+    from cluster.llm import LLM
+    from cluster.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, device="cpu", num_draft_tokens=NUM_DRAFTS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for prompt in prompts:
+        llm.generate([prompt], params)
+    return llm.stats().spec
+
+
+def _check_spec_consistent(samples: Samples, num_rounds: float, num_requests: int) -> None:
+    drafts = total(samples, "spec_decode_num_drafts_total")
+    draft_tokens = total(samples, "spec_decode_num_draft_tokens_total")
+    accepted = total(samples, "spec_decode_num_accepted_tokens_total")
+    per_position = by_label(samples, "spec_decode_num_accepted_tokens_per_pos_total", "position")
+    assert sorted(per_position) == [str(i) for i in range(NUM_DRAFTS)]
+    ordered = [per_position[str(i)] for i in range(NUM_DRAFTS)]
+    assert ordered == sorted(ordered, reverse=True)  # position i needs 0..i-1 accepted
+    assert sum(ordered) == accepted <= draft_tokens <= NUM_DRAFTS * drafts
+    # Every round but a request's last (when one token is left to generate) verifies drafts.
+    assert 0 <= num_rounds - drafts <= num_requests
+
+
+def test_metrics_cover_every_replica_and_count_mtp_rounds_and_aborts(mtp_app, echo_model_dir):
+    url, model = mtp_app
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    prompts = _prompts()
+    usages = []
+    for prompt in prompts:  # one at a time: each runs alone in its engine, as offline
         response = client.completions.create(
             model=model,
             prompt=prompt,
@@ -88,44 +151,112 @@ def test_token_counters_and_latency_histograms_reach_prometheus(
             temperature=0.0,
             extra_body={"ignore_eos": True},
         )
-        assert response.usage.completion_tokens == MAX_TOKENS
-        prompt_tokens += response.usage.prompt_tokens
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
-    generated = len(PROMPTS) * MAX_TOKENS
+        usages.append(response.usage)
+    generated = sum(u.completion_tokens for u in usages)
+    assert generated == len(prompts) * MAX_TOKENS
+    n = len(prompts)
 
-    deadline = time.monotonic() + 90
-    while True:
-        after = scrape(url, model)
-        if (
-            _counter(after, "mtpserve_generation_tokens") >= generated
-            and _counter(after, "mtpserve_prompt_tokens") >= prompt_tokens
-            and after.get("ray_mtpserve_time_per_output_token_seconds_count", 0) >= len(PROMPTS)
-            and after.get("ray_mtpserve_kv_cache_usage") == 0.0  # every block freed
-        ):
-            break
-        assert time.monotonic() < deadline, sorted(after)
-        time.sleep(1)
-
-    # Counters: exactly our tokens (only this test talks to this app).
-    assert _counter(after, "mtpserve_generation_tokens") == generated
-    assert _counter(after, "mtpserve_prompt_tokens") == prompt_tokens
-    finished = {k: v for k, v in after.items() if k.startswith("ray_mtpserve_requests_finished")}
-    assert sum(v for k, v in finished.items() if "finish_reason=length" in k) == len(PROMPTS), (
-        finished
+    samples = wait_for(
+        url,
+        lambda s: (
+            total(s, "request_success_total", finished_reason="length") == n
+            and total(s, "e2e_request_latency_seconds_count") == n
+            and len(by_label(s, "num_requests_running", "replica")) == NUM_REPLICAS
+        ),
     )
+    # Both replicas, whichever served the requests: one series each, summed to the totals.
+    assert set(by_label(samples, "num_requests_running", "model_name")) == {model}
+    assert total(samples, "generation_tokens_total") == generated
+    assert total(samples, "prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert total(samples, "prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
+    assert by_label(samples, "request_success_total", "finished_reason") == {
+        "stop": 0,
+        "length": n,
+        "abort": 0,
+        "error": 0,
+    }
+    assert total(samples, "kv_cache_usage_perc") == 0.0  # every block freed
+    assert total(samples, "time_to_first_token_seconds_count") == n
+    # One inter-token latency per token after a request's first.
+    assert total(samples, "inter_token_latency_seconds_count") == generated - n
+    for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        count = total(samples, f"{name}_seconds_count")
+        assert 0 < total(samples, f"{name}_seconds_sum") / count < 10, name
+        assert total(samples, f"{name}_seconds_bucket", le="+Inf") == count
 
-    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
-        count = after[f"ray_mtpserve_{name}_count"]
-        total_s = after[f"ray_mtpserve_{name}_sum"]
-        assert count == len(PROMPTS), name
-        # Plausible: positive, and a tiny model on CPU is well under 10 s per token/request.
-        assert 0 < total_s / count < 10, (name, total_s / count)
-        buckets = sorted(
-            (float(k.split("|le=")[1]), v)
-            for k, v in after.items()
-            if k.startswith(f"ray_mtpserve_{name}_bucket|le=")
-        )
-        assert buckets and buckets[-1][0] == math.inf
-        assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
-        assert buckets[-1][1] == after[f"ray_mtpserve_{name}_count"]
+    # MTP: exactly the offline engine's rounds, summed over the replicas.
+    spec = _offline_spec(echo_model_dir, prompts)
+    assert total(samples, "spec_decode_num_drafts_total") == spec.num_drafts
+    assert total(samples, "spec_decode_num_draft_tokens_total") == spec.num_draft_tokens
+    assert total(samples, "spec_decode_num_accepted_tokens_total") == spec.num_accepted_drafts
+    per_position = by_label(samples, "spec_decode_num_accepted_tokens_per_pos_total", "position")
+    assert [per_position[str(i)] for i in range(NUM_DRAFTS)] == spec.num_accepted_per_position
+    assert spec.num_accepted_per_position[-1] > 0  # the echo prompt: both positions accepted
+    assert spec.num_accepted_drafts < spec.num_draft_tokens  # and some rejected
+    # A request's tokens: one from its prefill, then (accepted + 1) per round.
+    num_rounds = generated - n - spec.num_accepted_drafts
+    _check_spec_consistent(samples, num_rounds, n)
+
+    # A client that goes away mid-stream: counted as an abort, its rounds counted too.
+    body = {"model": model, "prompt": prompts[0], "max_tokens": 2000, "stream": True}
+    body |= {"ignore_eos": True, "temperature": 0.0}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
+                break  # a chunk with text, then hang up
+    after = wait_for(
+        url,
+        lambda s: (
+            total(s, "request_success_total", finished_reason="abort") == 1
+            and total(s, "num_requests_running") == 0
+            and total(s, "e2e_request_latency_seconds_count") == n + 1
+        ),
+    )
+    assert total(after, "request_success_total", finished_reason="length") == n
+    num_aborted_tokens = total(after, "generation_tokens_total") - generated
+    assert 1 <= num_aborted_tokens < 2000
+    assert total(after, "time_to_first_token_seconds_count") == n + 1
+    accepted = total(after, "spec_decode_num_accepted_tokens_total")
+    assert total(after, "spec_decode_num_drafts_total") > spec.num_drafts  # its rounds counted
+    _check_spec_consistent(after, generated + num_aborted_tokens - (n + 1) - accepted, n + 1)
+    assert total(after, "kv_cache_usage_perc") == 0.0
+
+
+def test_mtp_off_reports_no_acceptance(serve_url, client, served_model, model_server):
+    """The session app: two deployments, MTP off. No spec-decode series (no made-up acceptance),
+    the engine's tokens per round exactly 1, and /metrics answers from the ingress."""
+    before = model_server.engine_stats.remote().result()  # the truth; /metrics may lag it
+    response = client.completions.create(
+        model=served_model["id"], prompt="Once upon a time", max_tokens=5, temperature=0.0
+    )
+    expected = before["num_generation_tokens"] + response.usage.completion_tokens
+    after = wait_for(serve_url, lambda s: total(s, "generation_tokens_total") == expected)
+    assert not [name for name, _ in after if "spec_decode" in name]
+    engine = httpx.get(f"{serve_url}/health", timeout=30).json()["engine"]
+    assert engine["mean_tokens_per_round"] == 1.0
+    assert engine["acceptance_per_position"] == []
+
+
+def test_dashboard_queries_only_served_metrics(mtp_app):
+    url, _ = mtp_app
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [
+        target["expr"]
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        if "expr" in target
+    ]
+    queried = {name for expr in exprs for name in re.findall(r"mtpserve:[a-zA-Z0-9_:]+", expr)}
+    served = {name for name, _ in scrape(url)}
+    assert queried and queried <= served, sorted(queried - served)
+    # What the dashboard is for: acceptance, accepted length per position, TTFT, ITL, KV, tokens/s.
+    for name in (
+        "mtpserve:spec_decode_num_accepted_tokens_total",
+        "mtpserve:spec_decode_num_accepted_tokens_per_pos_total",
+        "mtpserve:time_to_first_token_seconds_bucket",
+        "mtpserve:inter_token_latency_seconds_bucket",
+        "mtpserve:kv_cache_usage_perc",
+        "mtpserve:generation_tokens_total",
+    ):
+        assert name in queried, name

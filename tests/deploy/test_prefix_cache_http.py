@@ -164,39 +164,43 @@ def test_usage_counts_a_prompts_cached_tokens_once_as_its_fewest():
     assert info.prompt_tokens_details.cached_tokens == 0 + 64
 
 
-def test_prefix_cache_counters_move_by_the_engine_counters_difference(monkeypatch):
-    """The engine's counters are cumulative; Prometheus counters get the increments, and a
-    restarted engine (counting from zero again) adds its whole count."""
-    import deploy.metrics as metrics_module
+def test_prefix_cache_counters_on_metrics_move_by_the_cached_tokens(prefix_app):
+    """`GET /metrics` (vLLM's `prefix_cache_queries` / `prefix_cache_hits`, in tokens): a prompt
+    sent twice adds its length to the queries twice and its cached tokens to the hits."""
+    import time
 
-    class Recorder:
-        def __init__(self, name, **kwargs):
-            self.name, self.total = name, 0.0
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-        def inc(self, value=1.0, tags=None):
-            self.total += value
+    client, model, handle = prefix_app
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
 
-        def set(self, value, tags=None):
-            self.total = value
+    def counters() -> tuple[float, float]:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        values = {
+            s.name: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        return values["mtpserve:prefix_cache_queries_total"], values[
+            "mtpserve:prefix_cache_hits_total"
+        ]
 
-        def observe(self, value, tags=None):
-            pass
-
-        def set_default_tags(self, tags):
-            pass
-
-    class FakeMetrics:
-        Counter = Gauge = Histogram = Recorder
-
-    monkeypatch.setattr(metrics_module, "metrics", FakeMetrics)
-    engine_metrics = metrics_module.EngineMetrics("m")
-    base = dict(num_waiting=0, num_running=0, kv_usage=0.0, mean_tokens_per_round=1.0)
-    for queried, hit in [(100, 64), (250, 192), (250, 192), (40, 0)]:  # the last after a restart
-        engine_metrics.record_engine_stats(
-            {**base, "prefix_cache_queried_tokens": queried, "prefix_cache_hit_tokens": hit}
-        )
-    assert engine_metrics.prefix_cache_queries.total == 250 + 40
-    assert engine_metrics.prefix_cache_hits.total == 192
+    prompt = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine = handle.engine_stats.remote().result()  # the truth; /metrics may lag it by 1 s
+    queries_before = engine["prefix_cache_queried_tokens"]
+    hits_before = engine["prefix_cache_hit_tokens"]
+    usages = [
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0.0).usage
+        for _ in range(2)
+    ]
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert cached == 32  # the second time: (40 - 1) // 16 = 2 blocks
+    expected = (queries_before + 2 * len(prompt), hits_before + cached)
+    deadline = time.monotonic() + 30
+    while (now := counters()) != expected:  # replicas report about once a second
+        assert time.monotonic() < deadline, (now, expected)
+        time.sleep(0.5)
 
 
 def test_cli_flag_turns_prefix_caching_off():
