@@ -58,6 +58,10 @@ def direct_ingress_env(port: int) -> dict[str, str]:
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        # The draining replica's wait (30 s by default) is for load balancers to take it out of
+        # rotation; with none in front of the one replica, Ctrl-C would only wait for nothing.
+        # Requests in flight are still waited for (graceful_shutdown_timeout_s).
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
     }
 
 
@@ -157,7 +161,12 @@ def _describe(args: AppArgs) -> str:
     parallel = f", TP={args.tp_size}" if (args.tp_size or 1) > 1 else ""
     if (args.ep_size or 1) > 1:
         parallel += f", EP={args.ep_size}"
-    return f"{model} on {args.device or 'auto'}{parallel}"
+    device = args.device or "auto"
+    if device == "auto":  # as the engine resolves it (on this node: replicas may land elsewhere)
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return f"{model} on {device}{parallel}"
 
 
 def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = "local") -> int:

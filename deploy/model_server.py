@@ -30,6 +30,8 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+from ray.serve.exceptions import DeploymentUnavailableError
+
 from cluster.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -276,6 +278,8 @@ class ModelServer:
                 if self._metrics_hub is not None:
                     await self._metrics_hub.report.remote(report)
                 failing = False
+            except DeploymentUnavailableError:  # the app is being deleted: the hub went first
+                logger.debug("metrics hub unavailable", exc_info=True)
             except Exception:  # metrics must never take the replica down
                 if not failing:  # once per outage, not once a second
                     logger.warning("metrics report failed", exc_info=True)
