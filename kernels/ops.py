@@ -84,13 +84,14 @@ def mla_kv_cache_write(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """Writes [RMSNorm(latent) | RoPE(k_rope)] rows; into an FP8 cache (kernels/fp8_cache.py)
-    as a second kernel that quantizes the rows. Returns the rows (model dtype)."""
+    as a second kernel that quantizes the rows; None: no cache, only the rows. Returns the rows
+    (model dtype)."""
     impl = mla_kv_cache_write_triton if use_triton(kv_a.device) else mla_kv_cache_write_reference
-    if not is_fp8_cache(kv_cache):
+    if kv_cache is None or not is_fp8_cache(kv_cache):
         return impl(kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping)
     rows = impl(kv_a, norm_weight, eps, cos, sin, None, slot_mapping)
     fp8_cache_write(kv_cache, slot_mapping, rows, norm_weight.shape[0])
