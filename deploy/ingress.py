@@ -187,7 +187,7 @@ def _failure_from_handle_error(exc: BaseException) -> GenerateFailure:
 class OpenAIIngress:
     """Serve deployment class; `deploy.app.build_app` makes it a deployment."""
 
-    def __init__(
+    async def __init__(
         self,
         model_server: DeploymentHandle,
         limits: IngressLimits | None = None,
@@ -207,6 +207,11 @@ class OpenAIIngress:
         self._ready_lock: asyncio.Lock | None = None
         # One thread: tokenizers are not safe to share across threads, and the loop stays free.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # Warm before ready: the model server's info (the handle's first call sets up Serve's
+        # router), the tokenizer's load and its thread's first use happen here, while the
+        # replica starts, not in the first request after the app said it was ready.
+        _, tokenizer = await self._ready()
+        await self._tokenize(tokenizer.encode, "warm up")
 
     async def _ready(self) -> tuple[ModelInfo, object]:
         """The served model's name, context length and tokenizer, fetched once."""
