@@ -141,11 +141,20 @@ class ModelServer:
         self._metrics_hub = metrics_hub
         self._replica_id = current_replica_id()
         self._stats_task: asyncio.Task | None = None
+        self._first_report: asyncio.Future | None = None  # done once the first report went
         self._stream_chunks_per_s = resolve_stream_chunks_per_s(stream_chunks_per_s)
         logger.info("streamed chunks: at most %.0f per second", self._stream_chunks_per_s)
         self._num_streams = 0  # streamed requests in flight in this replica
 
-    def model_info(self) -> ModelInfo:
+    async def model_info(self) -> ModelInfo:
+        """What the ingress asks first, while it starts: the replica's first metrics report (a
+        handle's first call sets up Serve's router, tens of ms on this loop) is sent here, so
+        that it does not land on the first request after the app said it was ready."""
+        self._ensure_stats_loop()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._first_report), timeout=5.0)
+        except asyncio.TimeoutError:
+            pass  # the hub is slow to start: the report goes later, the info now
         return ModelInfo(
             model_name=self._engine.model_name,
             max_model_len=self._engine.max_model_len,
@@ -266,8 +275,11 @@ class ModelServer:
         return self._metrics.report(self._replica_id)
 
     def _ensure_stats_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._first_report is None:
+            self._first_report = loop.create_future()
         if self._stats_task is None or self._stats_task.done():
-            self._stats_task = asyncio.get_running_loop().create_task(self._stats_loop())
+            self._stats_task = loop.create_task(self._stats_loop())
 
     async def _stats_loop(self) -> None:
         """Push this replica's metrics to the app's hub, cumulative, every REPORT_PERIOD_S."""
@@ -284,4 +296,6 @@ class ModelServer:
                 if not failing:  # once per outage, not once a second
                     logger.warning("metrics report failed", exc_info=True)
                 failing = True
+            if not self._first_report.done():
+                self._first_report.set_result(None)
             await asyncio.sleep(REPORT_PERIOD_S)
