@@ -4,15 +4,26 @@ Clients send it as OpenAI's do (`Authorization: Bearer <key>`, what the official
 `api_key` becomes). Without it, or with another key, a request to the API is a 401 with an
 OpenAI error body; `/health` and `/metrics` stay open (probes and scrapers carry no key). The
 comparison takes the same time whatever the key sent.
+
+The key may also come from the environment (`MTPSERVE_API_KEY`), so that it stays out of command
+lines and Serve configs: `mtpserve serve` reads it, and so does the ingress replica when its
+args carry no key (a Serve config deployed with the variable in its runtime_env).
 """
 
 from __future__ import annotations
 
 import hmac
+import os
 
 from deploy.openai_protocol import ErrorBody, ErrorResponse
 
 OPEN_PATHS = ("/health", "/metrics")
+API_KEY_ENV = "MTPSERVE_API_KEY"
+
+
+def api_key_from(explicit: str | None) -> str | None:
+    """The key to require: the one given, else the environment's, else none."""
+    return explicit or os.environ.get(API_KEY_ENV) or None
 
 
 class ApiKeyCheck:

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from deploy.auth import API_KEY_ENV, api_key_from
 from deploy.engine_args import add_engine_args, engine_options
 
 # What `mtpserve --help` says first: for users, the commands they run.
@@ -70,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--api-key",
-        default=None,
-        help="clients must send it (Authorization: Bearer KEY, the openai client's api_key)",
+        default=api_key_from(None),
+        help="clients must send it (Authorization: Bearer KEY, the openai client's api_key); "
+        f"default: ${API_KEY_ENV} when set",
     )
     # Fractions so that a TP=2 engine, its coordinator and the ingress fit a 2-core laptop.
     serve.add_argument(

@@ -39,7 +39,7 @@ from transformers import AutoTokenizer
 
 from cluster.sampling_params import InvalidRequestError
 from deploy import openai_serving as serving
-from deploy.auth import ApiKeyCheck
+from deploy.auth import ApiKeyCheck, api_key_from
 from deploy.limits import BodySizeLimit, IngressLimits, max_chars_per_token
 from deploy.messages import GenerateChunk, GenerateFailure, GenerateRequest, ModelInfo
 from deploy.openai_protocol import (
@@ -196,7 +196,7 @@ class OpenAIIngress:
     ):
         self._model_server = model_server
         self._metrics_hub = metrics_hub  # deploy.metrics.MetricsHub: every engine replica
-        app.state.api_key = api_key
+        app.state.api_key = api_key_from(api_key)
         self._stream_server = model_server.options(stream=True)
         self._limits = limits or IngressLimits()
         app.state.max_body_bytes = self._limits.max_request_body_bytes

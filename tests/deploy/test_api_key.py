@@ -39,3 +39,19 @@ def test_the_api_needs_the_key(keyed_url):
     completion = right.completions.create(model=model, prompt="def f(x):", max_tokens=4)
     assert completion.usage.completion_tokens == 4
     assert httpx.get(f"{keyed_url}/health", timeout=60).status_code == 200  # probes need no key
+
+
+def test_the_key_can_come_from_the_environment(monkeypatch):
+    """`MTPSERVE_API_KEY` keeps the key off the command line: `mtpserve serve` takes it when
+    --api-key is not given, and an ingress whose args carry no key reads it (api_key_from)."""
+    from deploy.auth import API_KEY_ENV, api_key_from
+    from deploy.cli import build_parser
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert build_parser().parse_args(["serve"]).api_key is None
+    assert api_key_from(None) is None
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    assert api_key_from(None) == "from-env"
+    assert api_key_from("given") == "given"
