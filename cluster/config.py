@@ -64,8 +64,6 @@ class EngineConfig:
     share_topk: bool = False  # draft steps 1..k-1 reuse draft step 0's top-k row
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bfloat16" | "float32"
-    # The KV caches' dtype: "auto" is the model's. "fp8" is refused until FP8 caches land.
-    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # None: the checkpoint's whole context, lowered to what the KV pool holds (fit_context)

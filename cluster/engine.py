@@ -37,9 +37,6 @@ class EngineStats:
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
-    # Every verify round so far (1.0 and [] with MTP off: a round then gains exactly one token).
-    mean_tokens_per_round: float
-    acceptance_per_position: list[float]
     # Prefix caching, cumulative, in tokens: what admissions looked up, and found cached.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
@@ -52,6 +49,15 @@ class EngineStats:
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / max(self.num_total_blocks, 1)
+
+    # Every verify round so far (1.0 and [] with MTP off: a round then gains exactly one token).
+    @property
+    def mean_tokens_per_round(self) -> float:
+        return self.spec.mean_tokens_per_round
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return self.spec.acceptance_per_position
 
 
 def load_tokenizer(model_dir: str):
@@ -304,8 +310,6 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_usable_blocks,
-            mean_tokens_per_round=spec.mean_tokens_per_round,
-            acceptance_per_position=spec.acceptance_per_position,
             prefix_cache_queried_tokens=bm.stats.num_queried_tokens,
             prefix_cache_hit_tokens=bm.stats.num_hit_tokens,
             num_prompt_tokens=self.counters.num_prompt_tokens,

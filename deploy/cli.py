@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from cluster.config import KV_CACHE_DTYPES
 from deploy.auth import API_KEY_ENV, api_key_from
 from deploy.engine_args import add_engine_args, engine_options
 
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
     plan.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "fp8"),
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="the MLA latent cache's dtype (fp8: e4m3 + a scale per 128 values)",
     )

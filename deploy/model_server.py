@@ -95,12 +95,13 @@ def failure_from_exception(exc: BaseException) -> GenerateFailure:
 
 
 def engine_stats_dict(stats) -> dict:
-    """The engine's `EngineStats` as a dict, with `kv_usage` (0..1) derived when absent."""
-    out = dataclasses.asdict(stats)
-    if "kv_usage" not in out:
-        total = out.get("num_total_blocks") or 0
-        out["kv_usage"] = (1.0 - out["num_free_blocks"] / total) if total else 0.0
-    return out
+    """The engine's `EngineStats` as a dict, its derived figures included."""
+    return {
+        **dataclasses.asdict(stats),
+        "kv_usage": stats.kv_usage,
+        "mean_tokens_per_round": stats.mean_tokens_per_round,
+        "acceptance_per_position": stats.acceptance_per_position,
+    }
 
 
 async def _maybe_await(value):

@@ -16,13 +16,9 @@ import torch
 
 from kernels.fp8_cache import FP8_CACHE_DTYPE, Fp8CacheLayout
 
-# cluster.config.KV_CACHE_DTYPES names the same choices (workers cannot import cluster).
-KV_CACHE_DTYPES = ("auto", "fp8")
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+# Whether each kv_cache_dtype (cluster.config.KV_CACHE_DTYPES, checked there) stores the latent
+# in FP8.
+_LATENT_FP8 = {"auto": False, "fp8": True}
 
 
 def max_blocks_per_seq(max_seq_slots: int, block_size_tokens: int) -> int:
@@ -40,8 +36,9 @@ class CacheFormat:
 
     @classmethod
     def of(cls, kv_cache_dtype: str = "auto", indexer_numerics: str = "exact") -> CacheFormat:
-        check_kv_cache_dtype(kv_cache_dtype)
-        return cls(latent_fp8=kv_cache_dtype == "fp8", index_fp8=indexer_numerics == "fp8")
+        if kv_cache_dtype not in _LATENT_FP8:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {list(_LATENT_FP8)}")
+        return cls(latent_fp8=_LATENT_FP8[kv_cache_dtype], index_fp8=indexer_numerics == "fp8")
 
     def latent_row(self, config, dtype: torch.dtype) -> tuple[int, torch.dtype]:
         """(row length, element dtype) of a latent cache row."""

@@ -23,20 +23,12 @@ from cluster.config import (
 from cluster.llm import LLM
 from cluster.sampling_params import SamplingParams
 from deploy.cli import main as mtpserve
+from workers.model_config import DEEPSEEK_V32
 
 # DeepSeek-V3.2's context and YaRN parameters; its generation_config.json's sampling knobs, plus
 # a top_k and a repetition penalty so every knob the engine takes is exercised.
-LONG_CONTEXT = 163840
-YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 40.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
+LONG_CONTEXT = DEEPSEEK_V32["max_position_embeddings"]
+YARN = dict(DEEPSEEK_V32["rope_parameters"])  # a copy: configs may be filled in place
 GENERATION_CONFIG = {
     "bos_token_id": 0,
     "eos_token_id": 1,
