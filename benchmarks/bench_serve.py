@@ -3,7 +3,7 @@
     python benchmarks/bench_serve.py [--model DIR | --default-model] [--tp 1] [--num-draft-tokens 0]
         [--concurrency 1,8,32,128] [--max-tokens 128] [--prompt-len 32] [--rounds 2]
         [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--colocate]
-        [--repeat 1] [--[no-]interleave] [--json PATH]
+        [--repeat 1] [--[no-]interleave] [--executor MODULE:CLASS] [--json PATH]
 
 Same checkpoint, device and engine settings for every path (the tiny random checkpoint unless
 told otherwise). Each concurrency level is `concurrency` closed-loop clients sending greedy
@@ -351,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default=None, help="a server already serving the model (no deploy)")
     ap.add_argument("--actor-num-cpus", type=float, default=0.25)
     ap.add_argument(
+        "--executor",
+        default=None,
+        help="the engine's executor on every path, e.g. benchmarks.null_executor:NullExecutor "
+        "(no model: what the serving path alone carries)",
+    )
+    ap.add_argument(
         "--colocate", action="store_true", help="one deployment: ingress and engine together"
     )
     ap.add_argument(
@@ -390,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_num_seqs": max(levels),
         "max_queued_requests": max(256, 2 * max(levels)),
         "actor_num_cpus": args.actor_num_cpus,
+        **({"executor": args.executor} if args.executor else {}),
     }
     print(
         f"bench_serve: model={model} tp={args.tp} k={args.num_draft_tokens} "
