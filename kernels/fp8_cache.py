@@ -188,7 +188,7 @@ def _round_to_e4m3(x):
     # Subnormal e4m3 steps 2**-9; fp32 steps that much in [2**14, 2**15), so the add rounds.
     magnitude = (tl.abs(x) + 16384.0) - 16384.0
     # The sign by its bit: a tiny negative rounds to -0.0, as torch's conversion gives (the
-    # compiled `where(x < 0, -m, m)` gave +0.0 on the H200: one byte of 128 differed).
+    # compiled `where(x < 0, -m, m)` gave +0.0 on the H200, so the cache differed from its twin).
     sign = bits & -2147483648
     subnormal = (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
