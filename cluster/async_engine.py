@@ -1,6 +1,15 @@
 """An asyncio front for the engine: the step loop runs on its own thread; each request's
 outputs reach its caller through an asyncio queue.
 
+Pacing: the loop thread decides when a request's outputs cross to its caller, so a step costs the
+caller's event loop work only for the requests that are due. A streamed request gets its first
+output at once, then at most one output (every step since the last one, joined) per stream
+interval: `stream_chunks_per_s` spread over the streams in flight (0: one per step); a request
+that is not streamed gets one output, when it finishes. Before, every request woke its caller's
+event loop every step, and that Python work, sharing the GIL with this loop, cost more than the
+step itself at a few dozen requests. When each token was produced still reaches the caller
+(`TokenTimings`), for latency metrics.
+
 Failure: a request that fails inside a step fails alone (`LLMEngine.step` isolates it; its
 caller gets `RequestFailedError`). If the workers fail (a rank died or hung past the step
 timeout), every request in flight ends with finish_reason "error", the engine marks itself dead,
@@ -14,9 +23,11 @@ import collections
 import logging
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineStats, LLMEngine
@@ -64,6 +75,39 @@ class _Refusal:
     error: Exception
 
 
+class TokenTimings(Protocol):
+    """Told, on the caller's event loop, when each request's tokens were produced (perf_counter
+    seconds, stamped by the step loop; tokens of one step share a stamp)."""
+
+    def first_tokens(self, num_tokens: int, ttft_s: float) -> None: ...
+
+    def later_tokens(self, num_tokens: int, since_previous_s: float) -> None: ...
+
+
+def stream_interval_s(num_streams: int, chunks_per_s: float) -> float:
+    """The least time between two outputs of one stream when `num_streams` stream at once and
+    the engine sends at most `chunks_per_s` stream outputs in all (0: no pacing, one per step)."""
+    return num_streams / chunks_per_s if chunks_per_s > 0 else 0.0
+
+
+@dataclass
+class _Subscriber:
+    """A request's caller, as the loop thread sees it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    stream: bool
+    pending: list[RequestOutput] = field(default_factory=list)  # not yet sent
+    token_stamps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, when)
+    next_send_s: float = 0.0  # time.monotonic(); 0: the next output goes at once
+
+
+@dataclass(frozen=True)
+class _Delivery:
+    output: RequestOutput
+    token_stamps: list[tuple[int, float]]
+
+
 def _resolve_soon(future: asyncio.Future) -> None:
     try:
         future.get_loop().call_soon_threadsafe(_resolve, future)
@@ -74,6 +118,23 @@ def _resolve_soon(future: asyncio.Future) -> None:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _tell_timings(
+    timings: TokenTimings,
+    token_stamps: list[tuple[int, float]],
+    arrived_s: float,
+    last_stamp_s: float | None,
+) -> float | None:
+    """TTFT at the first tokens, then each later step's tokens with the time since the step
+    before; -> the last stamp."""
+    for num_tokens, stamp_s in token_stamps:
+        if last_stamp_s is None:
+            timings.first_tokens(num_tokens, stamp_s - arrived_s)
+        else:
+            timings.later_tokens(num_tokens, stamp_s - last_stamp_s)
+        last_stamp_s = stamp_s
+    return last_stamp_s
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
@@ -91,8 +152,9 @@ class AsyncEngine:
     one cross-thread wake-up per event loop, not one per request.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, stream_chunks_per_s: float = 0.0):
         self.config = config
+        self.stream_chunks_per_s = stream_chunks_per_s
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.model_name = config.model_name
@@ -102,7 +164,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._inbox: collections.deque[_Add | _Abort] = collections.deque()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._num_streams = 0  # streamed requests in flight (written by callers' loops only)
         self._dead: str | None = None
         self._stopping = False
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
@@ -159,12 +222,27 @@ class AsyncEngine:
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput | _Refusal]) -> None:
-        """One callback per caller event loop for the whole step."""
+        """Hand what is due to the callers: one callback per caller event loop for the step."""
+        now_s = time.perf_counter()
+        now_mono = time.monotonic()
+        interval_s = stream_interval_s(self._num_streams, self.stream_chunks_per_s)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
-            entry = self._queues.get(out.request_id)
-            if entry is not None:
-                by_loop.setdefault(entry[0], []).append((entry[1], out))
+            sub = self._subscribers.get(out.request_id)
+            if sub is None:
+                continue
+            if isinstance(out, _Refusal):
+                by_loop.setdefault(sub.loop, []).append((sub.queue, out))
+                continue
+            sub.pending.append(out)
+            if out.new_token_ids:
+                sub.token_stamps.append((len(out.new_token_ids), now_s))
+            if not (out.finished or (sub.stream and now_mono >= sub.next_send_s)):
+                continue  # joins a later output
+            delivery = _Delivery(join_outputs(sub.pending), sub.token_stamps)
+            sub.pending, sub.token_stamps = [], []
+            sub.next_send_s = now_mono + interval_s
+            by_loop.setdefault(sub.loop, []).append((sub.queue, delivery))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -174,30 +252,44 @@ class AsyncEngine:
     # --- the caller's side ------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        stream: bool = True,
+        timings: TokenTimings | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields a RequestOutput per engine step that changed the request, or one for several
-        steps when the caller fell behind (their deltas joined); the last has finished=True.
-        Raises InvalidRequestError, EngineOverloadedError, EngineDeadError."""
+        """Streamed: yields the request's outputs as the engine paces them (see the module
+        docstring), several joined when the caller fell behind; not streamed: one output, the
+        whole completion. The last has finished=True. Raises InvalidRequestError,
+        EngineOverloadedError, EngineDeadError."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        self._subscribers[request_id] = _Subscriber(asyncio.get_running_loop(), queue, stream)
+        self._num_streams += stream
+        arrived_s = time.perf_counter()
+        last_stamp_s: float | None = None
         self._inbox.append(_Add(request_id, prompt_token_ids, params))
         self._wakeup.set()
         finished = False
         try:
             while True:
-                out: RequestOutput | _Refusal = await queue.get()
-                if isinstance(out, _Refusal):
+                item: _Delivery | _Refusal = await queue.get()
+                if isinstance(item, _Refusal):
                     finished = True
-                    raise out.error
-                if not queue.empty():  # behind the engine: one output for every ready step
-                    ready = [out]
-                    while not queue.empty():
-                        ready.append(queue.get_nowait())
-                    out = join_outputs(ready)
+                    raise item.error
+                ready = [item]
+                while not queue.empty():  # behind the engine: one output for all that is ready
+                    ready.append(queue.get_nowait())
+                if timings is not None:
+                    for delivery in ready:
+                        last_stamp_s = _tell_timings(
+                            timings, delivery.token_stamps, arrived_s, last_stamp_s
+                        )
+                out = join_outputs([delivery.output for delivery in ready])
                 yield out
                 if out.finished:
                     finished = True
@@ -206,7 +298,8 @@ class AsyncEngine:
                         raise failed(out.error or "engine failure")
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._subscribers.pop(request_id, None)
+            self._num_streams -= stream
             if not finished:  # the caller went away (disconnect, cancel): free its blocks
                 await self.abort(request_id)
 

@@ -165,8 +165,8 @@ class BatchRunner:
                 params.validate()
                 prompt_ids = _prompt_token_ids(request, self._engine.tokenizer)
                 last = None
-                async for last in self._engine.generate(  # noqa: B007 (keep the last)
-                    prompt_ids, params, f"batch-{uuid.uuid4().hex}"
+                async for last in self._engine.generate(  # noqa: B007 (one: the whole row)
+                    prompt_ids, params, f"batch-{uuid.uuid4().hex}", stream=False
                 ):
                     pass
                 self._write(

@@ -186,10 +186,16 @@ class ReplicaMetrics:
         """`stats` is `model_server.engine_stats_dict(engine.stats())`."""
         self._engine.families = engine_families(self.model_name, stats)
 
-    def observe_tokens(self, num_tokens: int, elapsed_s: float) -> None:
-        """`num_tokens` arrived `elapsed_s` after the request's previous token."""
+    # cluster.async_engine.TokenTimings: the engine tells these when each step's tokens came.
+
+    def first_tokens(self, num_tokens: int, ttft_s: float) -> None:
+        self.time_to_first_token_s.observe(ttft_s)
+        self.later_tokens(num_tokens - 1, 0.0)
+
+    def later_tokens(self, num_tokens: int, since_previous_s: float) -> None:
+        """`num_tokens` arrived `since_previous_s` after the request's previous token."""
         for _ in range(num_tokens):
-            self.inter_token_latency_s.observe(elapsed_s / num_tokens)
+            self.inter_token_latency_s.observe(since_previous_s / num_tokens)
 
     def report(self, replica_id: str) -> MetricsReport:
         return MetricsReport(replica_id, list(self.registry.collect()))

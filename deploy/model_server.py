@@ -6,18 +6,19 @@ starting, replacing or stopping a replica starts, replaces or stops its whole en
 
 Request lifecycle (`generate`):
   1. the ingress calls `generate` through a streaming `DeploymentHandle`;
-  2. the engine's outputs go back as `GenerateChunk`s (deltas): for a streamed request the first
-     at once, then at most one chunk per stream interval holding every step since the last one
-     (see `stream_interval_s`); for a non-streamed request one chunk, the whole completion;
+  2. the engine's outputs go back as `GenerateChunk`s (deltas), paced by the engine's loop thread
+     (`cluster.async_engine`): for a streamed request the first at once, then at most one chunk
+     per stream interval holding every step since the last one; for a non-streamed request one
+     chunk, the whole completion;
   3. an engine error is yielded as one `GenerateFailure` and the stream ends;
   4. if the stream is torn down early (the client disconnected, so Serve cancelled the call),
      `finally` aborts the engine request, which frees its KV blocks.
 
 Why chunks are paced: every chunk is a Ray object from this replica to the ingress and an SSE
-event from the ingress through Serve's proxy, ~1.6 ms of CPU across the three processes on the
-2-core box (Ray 2.60), while an engine step of 16 sequences of the tiny model takes ~2.3 ms. One
-chunk per token per request left the engine a tenth of its offline tokens/s; bounding the
-replica's chunks per second bounds that cost whatever the concurrency.
+event to the client, ~1.6 ms of CPU across the processes on the 2-core box (Ray 2.60), while an
+engine step of 16 sequences of the tiny model takes ~2.3 ms. One chunk per token per request left
+the engine a tenth of its offline tokens/s; bounding the replica's chunks per second bounds that
+cost whatever the concurrency.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from cluster.async_engine import (
     RequestFailedError,
 )
 from cluster.config import EngineConfig
-from cluster.outputs import RequestOutput, join_outputs
+from cluster.outputs import RequestOutput
 from cluster.sampling_params import InvalidRequestError
 from deploy.messages import GenerateChunk, GenerateFailure, GenerateRequest, ModelInfo
 from deploy.metrics import REPORT_PERIOD_S, ReplicaMetrics, current_replica_id
@@ -58,12 +59,6 @@ def resolve_stream_chunks_per_s(chunks_per_s: float | None) -> float:
         return chunks_per_s
     cores = os.cpu_count() or 1
     return min(STREAM_CHUNKS_PER_S_PER_CORE * cores, MAX_AUTO_STREAM_CHUNKS_PER_S)
-
-
-def stream_interval_s(num_streams: int, chunks_per_s: float) -> float:
-    """The least time between two chunks of one stream when `num_streams` stream at once and
-    the replica sends at most `chunks_per_s` chunks in all (0: no pacing, a chunk per step)."""
-    return num_streams / chunks_per_s if chunks_per_s > 0 else 0.0
 
 
 def to_chunk(out: RequestOutput) -> GenerateChunk:
@@ -127,7 +122,8 @@ class ModelServer:
             engine_config = {**engine_config, "model": default_model_path()}
         self._config = EngineConfig.from_dict(engine_config)
         started = time.perf_counter()
-        self._engine = AsyncEngine(self._config)
+        self._stream_chunks_per_s = resolve_stream_chunks_per_s(stream_chunks_per_s)
+        self._engine = AsyncEngine(self._config, self._stream_chunks_per_s)
         warm_up = self._engine.engine.warm_up
         # Serve marks the replica ready only after __init__ returns: the engine is warm by then.
         logger.info(
@@ -143,9 +139,7 @@ class ModelServer:
         self._replica_id = current_replica_id()
         self._stats_task: asyncio.Task | None = None
         self._first_report: asyncio.Future | None = None  # done once the first report went
-        self._stream_chunks_per_s = resolve_stream_chunks_per_s(stream_chunks_per_s)
         logger.info("streamed chunks: at most %.0f per second", self._stream_chunks_per_s)
-        self._num_streams = 0  # streamed requests in flight in this replica
 
     async def model_info(self) -> ModelInfo:
         """What the ingress asks first, while it starts: the replica's first metrics report (a
@@ -171,45 +165,29 @@ class ModelServer:
     ) -> AsyncIterator[GenerateChunk | GenerateFailure]:
         self._ensure_stats_loop()
         outputs = self._engine.generate(
-            request.prompt_token_ids, request.params, request.request_id
+            request.prompt_token_ids,
+            request.params,
+            request.request_id,
+            stream=request.stream,
+            timings=self._metrics,
         )
         arrived_s = time.perf_counter()
-        last_token_s: float | None = None  # when the previous output with tokens arrived
         finished = False
         admitted = False  # the engine took it (a refusal raises before any output)
-        unsent: list[RequestOutput] = []
-        next_chunk_s = 0.0  # a streamed chunk waits for this time (time.monotonic())
-        if request.stream:
-            self._num_streams += 1
         try:
             async for out in outputs:
                 admitted = True
-                last_token_s = self._observe_latency(out, arrived_s, last_token_s)
-                if out.finished and out.finish_reason == "error":
-                    finished = True
+                finished = out.finished
+                if finished and out.finish_reason == "error":
                     yield failure_from_exception(
                         (EngineDeadError if self._engine.is_dead else RequestFailedError)(
                             out.error or "engine failure"
                         )
                     )
                     return
-                # A stream's first output is sent at once (the ingress answers 200 on it).
-                first = next_chunk_s == 0.0 and request.stream
-                unsent.append(out)
-                if not (first or out.finished or request.stream):
-                    continue  # not streamed: one chunk, the whole completion
-                if out.finished:  # sent at once, whatever the interval
-                    finished = True
-                elif not first and time.monotonic() < next_chunk_s:
-                    continue  # joins the next chunk
-                joined = join_outputs(unsent)
-                unsent = []
-                yield to_chunk(joined)
+                yield to_chunk(out)
                 if finished:
                     return
-                next_chunk_s = time.monotonic() + stream_interval_s(
-                    self._num_streams, self._stream_chunks_per_s
-                )
         except (
             InvalidRequestError,
             EngineOverloadedError,
@@ -223,8 +201,6 @@ class ModelServer:
             logger.exception("request %s failed", request.request_id)
             yield failure_from_exception(exc)
         finally:
-            if request.stream:
-                self._num_streams -= 1
             if admitted or not finished:  # not refused: finished, failed or aborted
                 self._metrics.e2e_request_latency_s.observe(time.perf_counter() - arrived_s)
             if not finished:
@@ -252,23 +228,6 @@ class ModelServer:
         if self._stats_task is not None:
             self._stats_task.cancel()
         await _maybe_await(self._engine.shutdown())
-
-    def _observe_latency(
-        self, out: RequestOutput, arrived_s: float, last_token_s: float | None
-    ) -> float | None:
-        """TTFT at a request's first tokens, then the inter-token latency of each new token
-        (tokens arriving together share the time since the previous ones). -> the new
-        `last_token_s`."""
-        num_tokens = len(out.new_token_ids)
-        if num_tokens == 0:
-            return last_token_s
-        now_s = time.perf_counter()
-        if last_token_s is None:
-            self._metrics.time_to_first_token_s.observe(now_s - arrived_s)
-            self._metrics.observe_tokens(num_tokens - 1, 0.0)
-        else:
-            self._metrics.observe_tokens(num_tokens, now_s - last_token_s)
-        return now_s
 
     def metrics_report(self):
         """This replica's metrics now (`deploy.metrics.MetricsReport`)."""

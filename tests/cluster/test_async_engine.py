@@ -45,6 +45,58 @@ def test_stream_deltas_add_up_to_the_offline_result(engine, tiny_model_dir):
     assert "".join(o.new_text for o in outs) == expected.text
 
 
+class _Timings:
+    def __init__(self):
+        self.first: list[tuple[int, float]] = []
+        self.later: list[tuple[int, float]] = []
+
+    def first_tokens(self, num_tokens, ttft_s):
+        self.first.append((num_tokens, ttft_s))
+
+    def later_tokens(self, num_tokens, since_previous_s):
+        self.later.append((num_tokens, since_previous_s))
+
+
+def test_a_request_not_streamed_gets_one_output_and_every_tokens_time(engine, tiny_model_dir):
+    timings = _Timings()
+
+    async def run():
+        return [
+            o
+            async for o in engine.generate(PROMPT, _greedy(12), stream=False, timings=timings)
+        ]
+
+    outs = asyncio.run(run())
+    expected = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32").generate(
+        [PROMPT], _greedy(12)
+    )[0]
+    assert len(outs) == 1 and outs[0].finished
+    assert outs[0].new_token_ids == expected.token_ids and outs[0].new_text == expected.text
+    # The step loop stamped each step's tokens: one first, eleven later (one per step, MTP off).
+    assert [n for n, _ in timings.first] == [1] and timings.first[0][1] > 0
+    assert [n for n, _ in timings.later] == [1] * 11
+    assert all(dt >= 0 for _, dt in timings.later)
+
+
+def test_a_paced_stream_joins_steps_and_keeps_the_text(tiny_model_dir):
+    # 1 stream output per second: the first at once, the rest of 40 tokens (well under a
+    # second on the CPU tiny model) in the final output.
+    engine = AsyncEngine(
+        EngineConfig(model=tiny_model_dir, num_draft_tokens=0, dtype="float32"),
+        stream_chunks_per_s=1.0,
+    )
+    try:
+        outs = asyncio.run(_collect(engine, PROMPT, _greedy(40)))
+    finally:
+        asyncio.run(engine.shutdown())
+    expected = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32").generate(
+        [PROMPT], _greedy(40)
+    )[0]
+    assert 2 <= len(outs) < 40
+    assert [t for o in outs for t in o.new_token_ids] == expected.token_ids
+    assert "".join(o.new_text for o in outs) == expected.text
+
+
 def test_abort_mid_stream_frees_every_block(engine):
     async def run():
         stream = engine.generate(PROMPT, _greedy(200), "victim")

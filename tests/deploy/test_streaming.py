@@ -10,7 +10,8 @@ import asyncio
 import pytest
 
 from cluster.outputs import RequestOutput, join_outputs
-from deploy.model_server import resolve_stream_chunks_per_s, stream_interval_s, to_chunk
+from cluster.async_engine import stream_interval_s
+from deploy.model_server import resolve_stream_chunks_per_s, to_chunk
 
 pytestmark = pytest.mark.timeout(180)
 
