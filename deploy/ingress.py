@@ -519,15 +519,21 @@ class OpenAIIngress:
         pending = list(reversed(later))
         streams = list(streams)
         tasks: list[asyncio.Task] = []
+        # Streams that reached their last item need no cancel: a cancel is a call to the model
+        # server's replica, where it raises and formats a cancellation in the engine's process.
+        ended: set[int] = set()
 
         async def pump(index: int, stream, first) -> None:
             try:
                 if first is None:
                     first = await _first_item(stream)
                 await queue.put((index, first))
+                item = first
                 if not (isinstance(first, GenerateChunk) and first.finished):
                     async for item in stream:
                         await queue.put((index, item))
+                if isinstance(item, GenerateChunk) and item.finished:
+                    ended.add(id(stream))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001
@@ -556,7 +562,8 @@ class OpenAIIngress:
             for task in tasks:
                 task.cancel()
             for stream in streams:
-                stream.cancel()
+                if id(stream) not in ended:
+                    stream.cancel()
 
     async def _collect(self, plans, merged):
         results = [serving.ChoiceResult(index=plan.index) for plan in plans]
