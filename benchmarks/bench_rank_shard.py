@@ -15,10 +15,14 @@ indexer projections whole), built in one process as a simulated rank (parallel.s
 take the rank's shapes, collectives move nothing). Its weights are random, made on the device,
 FP8 with 128x128 block scales wherever DeepSeek's checkpoints ship FP8 (as the loader keeps
 them); the embedding, LM head, norms and router in their own dtypes. Rank 0 is also the rank
-that runs every indexer and broadcasts top-k (the engine's default at TP > 1): the busiest rank.
+that runs every indexer and broadcasts top-k (the engine's default at TP > 1), so no rank does
+more attention-side work. Its routed experts see whatever the random router sends them; how many
+a step touches on the average and on the busiest rank is printed beside the table.
 
 Step times are CUDA-graph replays as benchmarks/bench_decode.py times them (its DecodeBench),
-KV caches random, PDL on. The collectives are timed apart (`--collectives`, over the GPUs
+KV caches random (latent and indexer keys in bf16, sized for the largest batch at --context:
+the script prints their size and stops if they would not fit), PDL on; MTP rounds go through
+the model runner, wall clock. The collectives are timed apart (`--collectives`, over the GPUs
 visible, at the real model's per-rank message sizes) and added with no overlap assumed.
 """
 
@@ -373,7 +377,9 @@ def _time_ops(ops: list, device: torch.device, reps: int) -> tuple[float, str]:
     return start.elapsed_time(end) / reps, how
 
 
-def _collectives_rank(rank: int, world: int, address: str, reps: int, results) -> None:
+def _collectives_rank(
+    rank: int, world: int, address: str, batches: tuple, reps: int, results
+) -> None:
     from parallel.distributed import destroy_distributed, init_distributed
 
     device = torch.device("cuda", rank)
@@ -381,7 +387,7 @@ def _collectives_rank(rank: int, world: int, address: str, reps: int, results) -
     init_distributed(rank, world, world, 1, address, device, 600)
     config = shard_config(tiny=False)
     rows, how = {}, set()
-    for b in BATCHES:
+    for b in batches:
         decode = step_collectives(config, b)
         row = {}
         row["decode_ms"], h = _time_ops(decode, device, reps)
@@ -399,7 +405,7 @@ def _collectives_rank(rank: int, world: int, address: str, reps: int, results) -
     destroy_distributed()
 
 
-def measure_collectives(world: int, reps: int = 20) -> dict:
+def measure_collectives(world: int, batches: tuple = BATCHES, reps: int = 20) -> dict:
     """The collectives of one decode step (and one MTP round) of the real model per rank, over
     `world` GPUs (one process each, NCCL), at TP=8's per-rank message sizes."""
     import queue
@@ -412,7 +418,7 @@ def measure_collectives(world: int, reps: int = 20) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_collectives_rank, args=(rank, world, address, reps, results))
+        ctx.Process(target=_collectives_rank, args=(rank, world, address, batches, reps, results))
         for rank in range(world)
     ]
     for proc in procs:
@@ -436,7 +442,7 @@ def measure_collectives(world: int, reps: int = 20) -> dict:
         "world_size": world,
         "device": torch.cuda.get_device_name(0),
         "how": measured["how"],
-        "per_step": {str(b): summarize_collectives(step_collectives(config, b)) for b in BATCHES},
+        "per_step": {str(b): summarize_collectives(step_collectives(config, b)) for b in batches},
         "rows": measured["rows"],
     }
 
@@ -511,7 +517,7 @@ def run_gpu(args, emit) -> None:
         with open(args.collectives_json) as f:
             measured = json.load(f)
     elif torch.cuda.device_count() >= 2:
-        measured = measure_collectives(min(torch.cuda.device_count(), TP_SIZE))
+        measured = measure_collectives(min(torch.cuda.device_count(), TP_SIZE), args.batches)
     if measured:
         print_collectives(measured, emit)
     bw = copy_bandwidth_gbs()
@@ -526,7 +532,7 @@ def run_gpu(args, emit) -> None:
         emit(f"built in {time.perf_counter() - started:.0f} s")
         compare_with_plan(bytes_by_dtype(model), plan_bytes_by_dtype(tiny=False), emit)
 
-        max_batch = max(BATCHES)
+        max_batch = max(args.batches)
         blocks = max_batch * (args.context // BLOCK + 2) + 1  # DecodeBench's cache size
         kv_need = blocks * cache_bytes_per_block(config, BLOCK, BF16, with_mtp=True)
         free = torch.cuda.mem_get_info()[0]
@@ -551,7 +557,7 @@ def run_gpu(args, emit) -> None:
         emit(f"weights + caches: {torch.cuda.memory_allocated() / 1e9:.1f} GB allocated")
 
         steps, floors = {}, {}
-        for b in BATCHES:
+        for b in args.batches:
             steps[b] = bench.graph_ms(graphs, b, args.context, 1)
             fb = floor_bytes(model, b, args.context)
             floors[b] = (fb["weights"] + fb["kv"]) / (bw * 1e6)
@@ -564,7 +570,7 @@ def run_gpu(args, emit) -> None:
         if not args.skip_mtp:
             bench.runner.graphs = graphs
             bench.runner.proposer = MtpProposer(model, BLOCK, graphs)
-            for b in BATCHES:
+            for b in args.batches:
                 runner_steps[b] = bench.round_ms(b, args.context, 0, False)
                 rounds[b] = bench.round_ms(b, args.context, MTP_K, False)
                 emit(
@@ -634,10 +640,16 @@ def report(config, steps, floors, rounds, runner_steps, measured, context, emit)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="the tiny config (the CPU smoke check)")
     ap.add_argument("--context", type=int, default=CONTEXT)
+    ap.add_argument(
+        "--batches",
+        type=lambda v: tuple(int(b) for b in v.split(",")),
+        default=BATCHES,
+        help="sequences a step, comma-separated (default %(default)s)",
+    )
     ap.add_argument("--collectives", action="store_true", help="only time the collectives")
     ap.add_argument("--world", type=int, default=None, help="GPUs for --collectives (all)")
     ap.add_argument("--json", default=None, help="--collectives: write the timings here")
@@ -673,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             world = args.world or min(torch.cuda.device_count(), TP_SIZE)
             if world < 2:
                 raise SystemExit("--collectives needs 2 or more GPUs")
-            measured = measure_collectives(world)
+            measured = measure_collectives(world, args.batches)
             print_collectives(measured, emit)
             if args.json:
                 with open(args.json, "w") as f:
