@@ -57,6 +57,16 @@ def _fp8_names(model_dir: str, config) -> tuple[dict[str, str], str]:
     return {}, "config" if quant.get("quant_method") == "fp8" else "none"
 
 
+def use_fp8_as_shipped(model) -> None:
+    """Make FP8 every layer DeepSeek's FP8 checkpoints ship in FP8 (what `quantization_config`
+    describes: every weight the model multiplies by, the routed experts); the embeddings, LM
+    head, norms, router, the indexer's head weights and MLA's kv_b_proj (read, not multiplied
+    by) stay in their dtypes."""
+    for module in model.modules():
+        if hasattr(module, "use_fp8") and getattr(module, "quantizable", True):
+            module.use_fp8()
+
+
 def plan_memory(
     model_dir: str,
     tp_size: int = 1,
@@ -89,9 +99,7 @@ def plan_memory(
         if fp8_source == "checkpoint":
             keep_fp8_weights(model, names)
         elif fp8_source == "config":
-            for module in model.modules():
-                if hasattr(module, "use_fp8") and getattr(module, "quantizable", True):
-                    module.use_fp8()
+            use_fp8_as_shipped(model)
     finally:
         set_parallel_state(previous)
     by_dtype: dict[str, int] = {}
