@@ -48,6 +48,10 @@ W8A8_CONFIGS: dict[int, Fp8GemmConfig] = {
     128: Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, split_target=132),
     2048: Fp8GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
 }
+# Rows (tokens) from which kernels.ops.fp8_linear takes this path for bf16 / fp16 activations
+# (below: the w8a16 kernel, kernels/fp8_linear.py). A default, to be set on the H200 from
+# benchmarks/bench_fp8_linear.py --sweep (where the w8a8 column overtakes the w8a16 one).
+W8A8_MIN_TOKENS = 64
 # Consecutive tile rows that walk the output columns together, so their weight tiles are read
 # from L2 rather than HBM when M spans several tiles.
 GROUP_M = 8
