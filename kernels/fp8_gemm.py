@@ -22,7 +22,7 @@ import torch
 
 from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
 from kernels.fp8_act_quant import quantize_activations_triton
-from kernels.fp8_linear import _sum_splits_kernel, split_k
+from kernels.fp8_linear import _sum_splits_kernel, config_for_rows, split_k
 from kernels.launch import check_tensor, launch
 from kernels.platform import tl, triton, triton_interpreter
 
@@ -55,14 +55,6 @@ W8A8_MIN_TOKENS = 64
 # Consecutive tile rows that walk the output columns together, so their weight tiles are read
 # from L2 rather than HBM when M spans several tiles.
 GROUP_M = 8
-
-
-def config_for_rows(num_rows: int, configs: dict[int, Fp8GemmConfig] | None = None):
-    configs = W8A8_CONFIGS if configs is None else configs
-    for max_rows in sorted(configs):
-        if num_rows <= max_rows:
-            return configs[max_rows]
-    return configs[max(configs)]
 
 
 @triton.jit
@@ -174,7 +166,7 @@ def fp8_gemm_triton(
     if num_rows == 0:
         return out
     if config is None:
-        config = config_for_rows(num_rows)
+        config = config_for_rows(num_rows, W8A8_CONFIGS)
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_features, config.block_n)
     num_splits, k_per_split = split_k(num_tiles, in_features, config.split_target)
     target = out

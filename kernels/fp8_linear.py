@@ -8,6 +8,7 @@ this halves the step's floor); activations stay in their dtype. The twins are in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -42,6 +43,18 @@ class Fp8LinearConfig:
 # `benchmarks/bench_fp8_linear.py --sweep`.
 DECODE_CONFIG = Fp8LinearConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
 PREFILL_CONFIG = Fp8LinearConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
+# By rows: the first entry whose key is >= M, the last for any larger M (`config_for_rows`).
+W8A16_CONFIGS: dict[int, Fp8LinearConfig] = {16: DECODE_CONFIG, 2048: PREFILL_CONFIG}
+
+Config = TypeVar("Config")
+
+
+def config_for_rows(num_rows: int, configs: dict[int, Config]) -> Config:
+    """The config of the smallest key >= num_rows; the largest key's beyond them all."""
+    for max_rows in sorted(configs):
+        if num_rows <= max_rows:
+            return configs[max_rows]
+    return configs[max(configs)]
 
 
 @triton.jit
@@ -156,7 +169,7 @@ def fp8_linear_triton(
     if num_rows == 0:
         return out
     if config is None:
-        config = DECODE_CONFIG if num_rows <= DECODE_CONFIG.block_m else PREFILL_CONFIG
+        config = config_for_rows(num_rows, W8A16_CONFIGS)
     tiles_m = triton.cdiv(num_rows, config.block_m)
     tiles_n = triton.cdiv(out_features, config.block_n)
     num_splits, k_per_split = split_k(tiles_m * tiles_n, in_features, config.split_target)

@@ -16,10 +16,10 @@ from kernels.fp8 import (
 from kernels.fp8_gemm import (
     W8A8_CONFIGS,
     Fp8GemmConfig,
-    config_for_rows,
     fp8_gemm_triton,
     fp8_linear_w8a8_triton,
 )
+from kernels.fp8_linear import config_for_rows
 from tests.kernels.conftest import DEVICE, assert_close, needs_triton
 
 
@@ -81,9 +81,10 @@ def test_fp8_linear_w8a8_is_the_activation_twin(dtype) -> None:
 
 def test_config_for_rows_takes_the_first_bucket_that_holds_them() -> None:
     bounds = sorted(W8A8_CONFIGS)
-    assert config_for_rows(1) is W8A8_CONFIGS[bounds[0]]
-    assert config_for_rows(bounds[0] + 1) is W8A8_CONFIGS[bounds[1]]
-    assert config_for_rows(10**6) is W8A8_CONFIGS[bounds[-1]]
+    assert config_for_rows(1, W8A8_CONFIGS) is W8A8_CONFIGS[bounds[0]]
+    assert config_for_rows(bounds[0], W8A8_CONFIGS) is W8A8_CONFIGS[bounds[0]]
+    assert config_for_rows(bounds[0] + 1, W8A8_CONFIGS) is W8A8_CONFIGS[bounds[1]]
+    assert config_for_rows(10**6, W8A8_CONFIGS) is W8A8_CONFIGS[bounds[-1]]
 
 
 def test_fp8_gemm_refuses_wrong_scale_grids() -> None:
