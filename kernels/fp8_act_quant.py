@@ -46,8 +46,9 @@ def _act_quant_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     amax = tl.max(tl.abs(x), axis=1)  # [GROUPS]
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX_VALUE), 1.0)  # [GROUPS]
-    q = _round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+    fp8_max = tl.full([GROUPS], FP8_MAX_VALUE, tl.float32)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, fp8_max), 1.0)  # [GROUPS]
+    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [GROUPS, GROUP])))
     tl.store(q_ptr + token * q_row_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + token * num_groups + groups, scale, mask=groups < num_groups)
 
