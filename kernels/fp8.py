@@ -66,12 +66,27 @@ def fp8_linear_reference(
     return x @ w.t()
 
 
+def dequantize_activations_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [T, C] (FP8) * its token's group scale [T, ceil(C/128)] -> fp32."""
+    return q.float() * scale.float().repeat_interleave(FP8_BLOCK, -1)[:, : q.shape[1]]
+
+
+def fp8_gemm_reference(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The w8a8 GEMM's twin: FP8 activations with per-token 1x128 scales times an FP8 weight
+    with 128x128 block scales, both dequantized exactly, multiplied in fp32 -> [T, R] out_dtype."""
+    x = dequantize_activations_reference(q, q_scale)
+    return (x @ dequantize_fp8_reference(weight, scale_inv).t()).to(out_dtype)
+
+
 def fp8_linear_act_quant_reference(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
 ) -> torch.Tensor:
     """The activation twin (DeepSeek's FP8 GEMM): activations quantized per 1x128 group too,
     products accumulated in fp32 -> [T, R] in x's dtype."""
-    q, x_scale = quantize_activations_reference(x)
-    cols = x.shape[1]
-    x_deq = q.float() * x_scale.repeat_interleave(FP8_BLOCK, -1)[:, :cols]
-    return (x_deq @ dequantize_fp8_reference(weight, scale_inv).t()).to(x.dtype)
+    return fp8_gemm_reference(*quantize_activations_reference(x), weight, scale_inv, x.dtype)

@@ -8,6 +8,7 @@ this halves the step's floor); activations stay in their dtype. The twins are in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -32,13 +33,28 @@ class Fp8LinearConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Programs to aim for: K is split (in 128-wide blocks) until tiles x splits reaches this;
+    # 1 never splits.
+    split_target: int = 264
 
 
 # Not tuned yet: chosen so that decode (M <= 16) spreads K over enough programs to fill the
-# H200's 132 SMs twice, and prefill uses tensor-core-sized tiles.
+# H200's 132 SMs twice, and prefill uses tensor-core-sized tiles. To tune on the H200 with
+# `benchmarks/bench_fp8_linear.py --sweep`.
 DECODE_CONFIG = Fp8LinearConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
 PREFILL_CONFIG = Fp8LinearConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
-_TARGET_PROGRAMS = 264
+# By rows: the first entry whose key is >= M, the last for any larger M (`config_for_rows`).
+W8A16_CONFIGS: dict[int, Fp8LinearConfig] = {16: DECODE_CONFIG, 2048: PREFILL_CONFIG}
+
+Config = TypeVar("Config")
+
+
+def config_for_rows(num_rows: int, configs: dict[int, Config]) -> Config:
+    """The config of the smallest key >= num_rows; the largest key's beyond them all."""
+    for max_rows in sorted(configs):
+        if num_rows <= max_rows:
+            return configs[max_rows]
+    return configs[max(configs)]
 
 
 @triton.jit
@@ -120,9 +136,13 @@ def _sum_splits_kernel(
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _num_splits(num_tiles: int, in_features: int) -> int:
+def split_k(num_tiles: int, in_features: int, split_target: int) -> tuple[int, int]:
+    """(splits, K per split, a multiple of 128) so that num_tiles x splits is about
+    split_target programs; every split has at least one 128-wide block."""
     k_blocks = -(-in_features // FP8_BLOCK)
-    return max(1, min(k_blocks, -(-_TARGET_PROGRAMS // num_tiles)))
+    num_splits = max(1, min(k_blocks, -(-split_target // num_tiles)))
+    k_per_split = -(-k_blocks // num_splits) * FP8_BLOCK
+    return -(-in_features // k_per_split), k_per_split
 
 
 def fp8_linear_triton(
@@ -149,12 +169,10 @@ def fp8_linear_triton(
     if num_rows == 0:
         return out
     if config is None:
-        config = DECODE_CONFIG if num_rows <= DECODE_CONFIG.block_m else PREFILL_CONFIG
+        config = config_for_rows(num_rows, W8A16_CONFIGS)
     tiles_m = triton.cdiv(num_rows, config.block_m)
     tiles_n = triton.cdiv(out_features, config.block_n)
-    num_splits = _num_splits(tiles_m * tiles_n, in_features)
-    k_per_split = triton.cdiv(triton.cdiv(in_features, num_splits), FP8_BLOCK) * FP8_BLOCK
-    num_splits = triton.cdiv(in_features, k_per_split)
+    num_splits, k_per_split = split_k(tiles_m * tiles_n, in_features, config.split_target)
     partial = torch.empty(num_splits, num_rows, out_features, dtype=torch.float32, device=device)
     launch(
         _fp8_linear_kernel,

@@ -21,13 +21,14 @@ from kernels.cache_write import (
 )
 from kernels.fp8 import fp8_linear_reference
 from kernels.fp8_cache import fp8_cache_write_reference, fp8_cache_write_triton, is_fp8_cache
+from kernels.fp8_gemm import W8A8_MIN_TOKENS, fp8_linear_w8a8_triton
 from kernels.fp8_linear import fp8_linear_triton
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton
 from kernels.indexer_fp8 import hadamard_rotate_reference, indexer_fp8_reference
 from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
 from kernels.moe_experts import grouped_moe_deepgemm, grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
-from kernels.platform import use_triton
+from kernels.platform import fp8_tensor_cores, use_triton
 from kernels.rmsnorm import (
     add_rms_norm_reference,
     add_rms_norm_triton,
@@ -35,6 +36,7 @@ from kernels.rmsnorm import (
     rms_norm_triton,
 )
 from kernels.rope import rope_cos_sin, rope_reference, rope_triton
+from kernels.settings import settings
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 
 # The FP8 indexer rounding runs as torch ops on every device (a twin; no Triton kernel yet).
@@ -54,9 +56,28 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> to
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T for a block-scaled FP8 weight (kernels/fp8.py), dequantized in registers."""
-    impl = fp8_linear_triton if use_triton(x.device) else fp8_linear_reference
-    return impl(x, weight, scale_inv)
+    """y = x @ W^T for a block-scaled FP8 weight (kernels/fp8.py).
+
+    fp32 activations and few rows: the weight dequantized in registers (w8a16, the twin's exact
+    math). bf16 / fp16 activations with at least W8A8_MIN_TOKENS rows, on FP8 tensor cores:
+    the activations quantized per token and 128 columns, then the FP8 x FP8 GEMM (w8a8, the
+    activation twin `fp8_linear_act_quant_reference`), unless MTPSERVE_DISABLE_FP8_W8A8=1.
+    """
+    if not use_triton(x.device):
+        return fp8_linear_reference(x, weight, scale_inv)
+    if use_fp8_w8a8(x):
+        return fp8_linear_w8a8_triton(x, weight, scale_inv)
+    return fp8_linear_triton(x, weight, scale_inv)
+
+
+def use_fp8_w8a8(x: torch.Tensor) -> bool:
+    """Whether an FP8 matmul of these activations quantizes them to FP8 (see `fp8_linear`)."""
+    return (
+        x.dtype in (torch.bfloat16, torch.float16)
+        and x.shape[0] >= W8A8_MIN_TOKENS
+        and not settings().disable_fp8_w8a8
+        and fp8_tensor_cores(x.device)
+    )
 
 
 def add_rms_norm(

@@ -98,6 +98,14 @@ def pdl_enabled(device: torch.device | None = None) -> bool:
     return _cuda_capability(index)[0] >= 9
 
 
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether tl.dot takes FP8 operands here: CUDA (not ROCm) with compute capability >= 8.9."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index) >= (8, 9)
+
+
 def ensure_triton_cache_dir() -> str:
     """Triton's compiled kernels go to TRITON_CACHE_DIR when it is set, else to
     `$XDG_CACHE_HOME/mtpserve/triton` (`~/.cache/...`), which this sets for the process (and the

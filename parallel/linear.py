@@ -102,6 +102,39 @@ class ReplicatedLinear(_Fp8Capable):
         return F.linear(x.to(self.weight.dtype), self.weight)
 
 
+class MergedReplicatedLinear(ReplicatedLinear):
+    """Several replicated outputs that share an input (MLA's q_a and kv_a projections) as one
+    matmul: part i of the checkpoint is rows [sum(sizes[:i]), sum(sizes[:i + 1])) of the weight,
+    and `split` cuts the output back into the parts.
+
+    FP8 only where every part but the last fills whole 128-row blocks (DeepSeek-V3.2: q_a's 1536
+    rows, then kv_a's 576), so the parts' scale grids stack into the merged weight's; otherwise
+    (a tiny model's) the layer stays in the model's dtype.
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], dtype: torch.dtype | None = None):
+        super().__init__(in_features, sum(out_sizes), dtype)
+        self.out_sizes = list(out_sizes)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        size = self.out_sizes[shard_id]
+        if loaded.shape[0] != size:
+            raise ValueError(f"expected {size} rows for part {shard_id}, got {tuple(loaded.shape)}")
+        _copy_checked(param.data.narrow(0, sum(self.out_sizes[:shard_id]), size), loaded)
+
+    def _fp8_blocks_align(self) -> bool:
+        return all(size % FP8_BLOCK == 0 for size in self.out_sizes[:-1])
+
+    def scale_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        offset = sum(self.out_sizes[:shard_id]) // FP8_BLOCK
+        blocks = -(-self.out_sizes[shard_id] // FP8_BLOCK)
+        _copy_checked(param.data.narrow(0, offset, blocks), loaded.float(), "weight_scale_inv")
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[T, sum(out_sizes)] -> one view per part, [T, out_sizes[i]] (rows strided)."""
+        return y.split(self.out_sizes, dim=-1)
+
+
 class ColumnParallelLinear(_Fp8Capable):
     """y = x W^T with W's rows (output features) split across TP ranks; no communication."""
 

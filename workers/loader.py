@@ -139,6 +139,12 @@ def keep_fp8_weights(model: torch.nn.Module, names: dict[str, str]) -> list[str]
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight$")
+_MLA_A = re.compile(r"(.*\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)\.weight$")
+# Our merged layers -> the checkpoint's parts, in shard order.
+MERGED_PARTS = {
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "q_kv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
 
 
 def param_for(name: str, num_hidden_layers: int) -> tuple[str, object]:
@@ -153,6 +159,8 @@ def param_for(name: str, num_hidden_layers: int) -> tuple[str, object]:
         return f"{base}.w13", (expert, 0 if kind == "gate_proj" else 1)
     if m := _FUSED.match(name):
         return f"{m.group(1)}.gate_up_proj.weight", 0 if m.group(2) == "gate_proj" else 1
+    if m := _MLA_A.match(name):
+        return f"{m.group(1)}.q_kv_a_proj.weight", 0 if m.group(2) == "q_a_proj" else 1
     return name, None
 
 
@@ -234,9 +242,10 @@ def _check_complete(model, params: dict, filled: dict[str, set]) -> None:
             raise CheckpointError(
                 f"tensor for {_ckpt_name(pname, n)!r} missing from the checkpoint"
             )
-        if pname.endswith("gate_up_proj.weight") and got != {0, 1}:
-            part = "up_proj" if 0 in got else "gate_proj"
-            raise CheckpointError(f"{_ckpt_name(pname, n).replace('gate_up_proj', part)!r} missing")
+        merged = pname.removesuffix(".weight").rsplit(".", 1)[-1]
+        if merged in MERGED_PARTS and got != {0, 1}:
+            part = MERGED_PARTS[merged][1 if 0 in got else 0]
+            raise CheckpointError(f"{_ckpt_name(pname, n).replace(merged, part)!r} missing")
         if pname.endswith(("experts.w13", "experts.w2")):
             want = cfg.n_routed_experts * (2 if pname.endswith("w13") else 1)
             if len(got) != want:

@@ -19,6 +19,7 @@ from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    MergedReplicatedLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -197,13 +198,14 @@ class MLAAttention(nn.Module):
         self.v_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         heads = config.num_attention_heads
-        self.q_a_proj = ReplicatedLinear(config.hidden_size, config.q_lora_rank, dtype)
+        # q_a_proj and kv_a_proj_with_mqa read the same hidden state: one matmul (one pass over
+        # x, one launch at decode), the checkpoint's two tensors its two parts.
+        self.q_kv_a_proj = MergedReplicatedLinear(
+            config.hidden_size, [config.q_lora_rank, self.kv_lora_rank + self.rope_dim], dtype
+        )
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, dtype)
         self.q_b_proj = ColumnParallelLinear(
             config.q_lora_rank, heads * (self.nope_dim + self.rope_dim), dtype
-        )
-        self.kv_a_proj_with_mqa = ReplicatedLinear(
-            config.hidden_size, self.kv_lora_rank + self.rope_dim, dtype
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = ColumnParallelLinear(
@@ -231,12 +233,13 @@ class MLAAttention(nn.Module):
         indexer does no work at all (MTP draft steps that share step 0's selection)."""
         cos, sin = cos_sin
         num_tokens = x.shape[0]
-        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q_a, kv_a = self.q_kv_a_proj.split(self.q_kv_a_proj(x))  # [T, q_lora], [T, kv_lora + rope]
+        q_latent = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = ops.rope(q_rope, cos, sin, True)
         ops.mla_kv_cache_write(
-            self.kv_a_proj_with_mqa(x),
+            kv_a,
             self.kv_a_layernorm.weight,
             self.kv_a_layernorm.eps,
             cos,

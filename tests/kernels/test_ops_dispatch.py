@@ -10,6 +10,7 @@ import torch
 from kernels import (
     activation,
     cache_write,
+    fp8,
     indexer,
     linear_fp32,
     moe_experts,
@@ -24,6 +25,7 @@ from kernels.settings import reload_settings
 TWINS = {
     "rms_norm": rmsnorm.rms_norm_reference,
     "linear_fp32": linear_fp32.linear_fp32_reference,
+    "fp8_linear": fp8.fp8_linear_reference,
     "add_rms_norm": rmsnorm.add_rms_norm_reference,
     "rope": rope.rope_reference,
     "mla_kv_cache_write": cache_write.mla_kv_cache_write_reference,
@@ -66,3 +68,56 @@ def test_ops_dispatch_follows_use_triton(monkeypatch, triton_on) -> None:
     monkeypatch.setattr(ops, "silu_and_mul_reference", lambda x: called.append("twin") or x)
     ops.silu_and_mul(torch.zeros(2, 4))
     assert called == ["triton" if triton_on else "twin"]
+
+
+@pytest.mark.parametrize(
+    "triton_on, dtype, num_rows, disable, expect",
+    [
+        (False, torch.bfloat16, 256, "0", "twin"),
+        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS, "0", "w8a8"),
+        (True, torch.float16, 2048, "0", "w8a8"),
+        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS - 1, "0", "w8a16"),
+        (True, torch.float32, 2048, "0", "w8a16"),  # fp32: the exact w8a16 math, always
+        (True, torch.bfloat16, 2048, "1", "w8a16"),  # MTPSERVE_DISABLE_FP8_W8A8=1
+    ],
+)
+def test_fp8_linear_dispatch(monkeypatch, triton_on, dtype, num_rows, disable, expect) -> None:
+    """Few rows or fp32 activations keep the w8a16 kernel; bf16 / fp16 with enough rows
+    quantize the activations (w8a8) unless switched off."""
+    monkeypatch.setenv("MTPSERVE_DISABLE_FP8_W8A8", disable)
+    reload_settings()  # the code reads the environment once
+    monkeypatch.setattr(ops, "use_triton", lambda device: triton_on)
+    monkeypatch.setattr(ops, "fp8_tensor_cores", lambda device: True)
+    called: list[str] = []
+    for name, label in (
+        ("fp8_linear_reference", "twin"),
+        ("fp8_linear_triton", "w8a16"),
+        ("fp8_linear_w8a8_triton", "w8a8"),
+    ):
+        monkeypatch.setattr(ops, name, lambda *args, label=label: called.append(label))
+    ops.fp8_linear(torch.zeros(num_rows, 8, dtype=dtype), torch.zeros(4, 8), torch.ones(1, 1))
+    assert called == [expect]
+
+
+def test_fp8_linear_needs_fp8_tensor_cores(monkeypatch) -> None:
+    monkeypatch.setattr(ops, "use_triton", lambda device: True)
+    monkeypatch.setattr(ops, "fp8_tensor_cores", lambda device: False)
+    assert not ops.use_fp8_w8a8(torch.zeros(4096, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "device, capability, hip, expect",
+    [
+        ("cpu", (9, 0), None, False),
+        ("cuda:0", (9, 0), None, True),
+        ("cuda:0", (8, 9), None, True),
+        ("cuda:0", (8, 0), None, False),  # A100: no FP8 tensor cores
+        ("cuda:0", (9, 4), "6.2", False),  # ROCm
+    ],
+)
+def test_fp8_tensor_cores(monkeypatch, device, capability, hip, expect) -> None:
+    from kernels import platform
+
+    monkeypatch.setattr(platform, "_cuda_capability", lambda index: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert platform.fp8_tensor_cores(torch.device(device)) == expect

@@ -122,8 +122,8 @@ def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path):
         )
     ]
     gpu, llm = _tokens(fp8_dir, prompts, dtype="float32")
-    q_a = llm.engine.executor.worker.model.model.layers[1].self_attn.q_a_proj
-    assert q_a.weight.dtype == torch.float8_e4m3fn and q_a.weight.is_cuda
+    q_b = llm.engine.executor.worker.model.model.layers[1].self_attn.q_b_proj
+    assert q_b.weight.dtype == torch.float8_e4m3fn and q_b.weight.is_cuda
     assert gpu == cpu
     plain, _ = _tokens(fp8_dir, prompts, dtype="bfloat16")
     mtp, _ = _tokens(fp8_dir, prompts, dtype="bfloat16", num_draft_tokens=3)

@@ -102,7 +102,7 @@ def test_fp8_weights_stay_fp8_and_compute_the_dequantized_model(fp8_dir):
     dequantized, _ = load_model(fp8_dir, dtype=torch.float32, keep_fp8=False)
     fp8 = {n for n, p in kept.named_parameters() if p.dtype == torch.float8_e4m3fn}
     layer = "model.layers.1"
-    assert f"{layer}.self_attn.q_a_proj.weight" in fp8  # replicated
+    assert f"{layer}.self_attn.indexer.wq_b.weight" in fp8  # replicated
     assert f"{layer}.self_attn.q_b_proj.weight" in fp8  # column-parallel
     assert f"{layer}.self_attn.o_proj.weight" in fp8  # row-parallel
     assert "model.layers.0.mlp.gate_up_proj.weight" in fp8  # merged, parts of 128 rows
@@ -111,6 +111,7 @@ def test_fp8_weights_stay_fp8_and_compute_the_dequantized_model(fp8_dir):
     # dequantized on load.
     assert f"{layer}.self_attn.kv_b_proj.weight" not in fp8
     assert f"{layer}.mlp.shared_experts.gate_up_proj.weight" not in fp8  # 32-row parts
+    assert f"{layer}.self_attn.q_kv_a_proj.weight" not in fp8  # q_a + kv_a: a 48-row q_a part
     assert all(
         n.replace(".weight", ".weight_scale_inv") in dict(kept.named_parameters()) for n in fp8
     )
@@ -200,8 +201,23 @@ def test_missing_mtp_layer_turns_mtp_off_with_warning(tiny_model_dir, tmp_path, 
             ),
             "model.layers.0.self_attn.surprise.weight",
         ),
+        (  # a part of a merged layer (q_a and kv_a are one matmul)
+            lambda t: {
+                k: v
+                for k, v in t.items()
+                if k != "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+            },
+            "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+        ),
+        (
+            lambda t: {
+                k: (v[:-1] if k == "model.layers.0.self_attn.q_a_proj.weight" else v)
+                for k, v in t.items()
+            },
+            "model.layers.0.self_attn.q_a_proj.weight",
+        ),
     ],
-    ids=["missing", "missing-expert", "wrong-shape", "unexpected"],
+    ids=["missing", "missing-expert", "wrong-shape", "unexpected", "missing-part", "part-shape"],
 )
 def test_bad_tensors_are_named(tiny_model_dir, tmp_path, edit, message):
     bad = _rewrite(tiny_model_dir, str(tmp_path / "bad"), edit)

@@ -1,0 +1,228 @@
+"""y = A @ W^T with both in DeepSeek's block-scaled FP8 (w8a8): the FP8 tiles go to the tensor
+cores as they are.
+
+A is FP8 with one float32 scale per token and 128 columns ([M, ceil(K/128)], from
+kernels/fp8_act_quant.py); W is FP8 with one per 128x128 block ([ceil(N/128), ceil(K/128)]).
+Each K step is one 128-wide scale block: the FP8 x FP8 product of the tiles (fp32 out) is
+multiplied by a_scale[m, kb] * w_scale[n // 128, kb] and added to an fp32 accumulator, so the
+tensor cores' own accumulation never runs longer than 128 products (DeepSeek's promotion to
+fp32 every 128). The twin is `kernels.fp8.fp8_gemm_reference` (both operands dequantized
+exactly, the product in fp32); `fp8_linear_w8a8_triton` quantizes bf16 activations first and
+is the twin `fp8_linear_act_quant_reference`.
+
+Under Triton's interpreter (no FP8 tl.dot there) UPCAST_DOT converts the FP8 tiles to fp32
+before the dot: the same products (an e4m3 x e4m3 product is exact in fp32), the same scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
+from kernels.fp8_act_quant import quantize_activations_triton
+from kernels.fp8_linear import _sum_splits_kernel, config_for_rows, split_k
+from kernels.launch import check_tensor, launch
+from kernels.platform import tl, triton, triton_interpreter
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # Programs to aim for: K is split (in 128-wide blocks, summed in a fixed order by a second
+    # kernel) until tiles x splits reaches this; 1 never splits.
+    split_target: int = 1
+
+
+# Tile configs by rows: the first entry whose key is >= M, the last for any larger M. Not tuned
+# yet (to tune on the H200 with benchmarks/bench_fp8_linear.py --sweep, which prints a dict to
+# paste here): few rows split K to fill the SMs; many rows take the largest tensor-core tiles.
+W8A8_CONFIGS: dict[int, Fp8GemmConfig] = {
+    16: Fp8GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, split_target=264),
+    128: Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, split_target=132),
+    2048: Fp8GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+}
+# Rows (tokens) from which kernels.ops.fp8_linear takes this path for bf16 / fp16 activations
+# (below: the w8a16 kernel, kernels/fp8_linear.py). A default, to be set on the H200 from
+# benchmarks/bench_fp8_linear.py --sweep (where the w8a8 column overtakes the w8a16 one).
+W8A8_MIN_TOKENS = 64
+# Consecutive tile rows that walk the output columns together, so their weight tiles are read
+# from L2 rather than HBM when M spans several tiles.
+GROUP_M = 8
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    out_ptr,
+    num_rows,
+    out_features,
+    in_features,
+    a_row_stride,
+    a_scale_row_stride,
+    w_row_stride,
+    w_scale_row_stride,
+    out_split_stride,
+    k_blocks_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M tile rows share each column tile while it is in L2.
+    tiles_m = tl.cdiv(num_rows, BLOCK_M)
+    tiles_n = tl.cdiv(out_features, BLOCK_N)
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % per_group) % group_rows
+    tile_n = (pid % per_group) // group_rows
+    split = tl.program_id(1)
+
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
+    kk = tl.arange(0, BLOCK_K)
+    row_mask = rows < num_rows
+    col_mask = cols < out_features
+    a_rows = a_ptr + rows[:, None].to(tl.int64) * a_row_stride  # [BLOCK_M, 1]
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * w_row_stride  # [BLOCK_N, 1]
+    a_scales = a_scale_ptr + rows.to(tl.int64) * a_scale_row_stride  # [BLOCK_M]
+    w_scales = w_scale_ptr + (cols // BLOCK_K) * w_scale_row_stride  # [BLOCK_N]
+    kb_start = split * k_blocks_per_split
+    kb_end = tl.minimum(kb_start + k_blocks_per_split, tl.cdiv(in_features, BLOCK_K))
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for kb in range(kb_start, kb_end):
+        k = kb * BLOCK_K + kk
+        if EVEN_K:
+            a = tl.load(a_rows + k[None, :], mask=row_mask[:, None], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=col_mask[:, None], other=0.0)
+        else:
+            k_mask = k < in_features
+            a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        a_scale = tl.load(a_scales + kb, mask=row_mask, other=0.0)  # [BLOCK_M]
+        w_scale = tl.load(w_scales + kb, mask=col_mask, other=0.0)  # [BLOCK_N]
+        if UPCAST_DOT:
+            part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(a, tl.trans(w))  # [BLOCK_M, BLOCK_N] fp32, FP8 tensor cores
+        acc += part * (a_scale[:, None] * w_scale[None, :])
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(
+        out_ptr
+        + split * out_split_stride
+        + rows[:, None].to(tl.int64) * out_features
+        + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+def fp8_gemm_triton(
+    a: torch.Tensor,  # [M, K] float8_e4m3fn
+    a_scale: torch.Tensor,  # [M, ceil(K/128)] float32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale_inv: torch.Tensor,  # [ceil(N/128), ceil(K/128)] float32
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """Triton twin of `kernels.fp8.fp8_gemm_reference`: [M, N] in out_dtype."""
+    check_tensor("a", a, ndim=2, dtypes=(FP8_DTYPE,))
+    device = a.device
+    check_tensor("a_scale", a_scale, ndim=2, dtypes=(torch.float32,), device=device)
+    check_tensor("weight", weight, ndim=2, dtypes=(FP8_DTYPE,), device=device)
+    check_tensor("scale_inv", scale_inv, ndim=2, dtypes=(torch.float32,), device=device)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} not in {OUT_DTYPES}")
+    num_rows, in_features = a.shape
+    out_features = weight.shape[0]
+    k_blocks = triton.cdiv(in_features, FP8_BLOCK)
+    if weight.shape[1] != in_features:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take {in_features} features")
+    if tuple(a_scale.shape) != (num_rows, k_blocks):
+        raise ValueError(f"a_scale {tuple(a_scale.shape)}, expected {(num_rows, k_blocks)}")
+    if tuple(scale_inv.shape) != scale_grid(out_features, in_features):
+        raise ValueError(
+            f"scale_inv {tuple(scale_inv.shape)}, expected "
+            f"{scale_grid(out_features, in_features)} for a {tuple(weight.shape)} weight"
+        )
+    out = torch.empty(num_rows, out_features, dtype=out_dtype, device=device)
+    if num_rows == 0:
+        return out
+    if config is None:
+        config = config_for_rows(num_rows, W8A8_CONFIGS)
+    num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_features, config.block_n)
+    num_splits, k_per_split = split_k(num_tiles, in_features, config.split_target)
+    target = out
+    if num_splits > 1:
+        target = torch.empty(num_splits, num_rows, out_features, dtype=torch.float32, device=device)
+    launch(
+        _fp8_gemm_kernel,
+        (num_tiles, num_splits),
+        a,
+        a,
+        a_scale,
+        weight,
+        scale_inv,
+        target,
+        num_rows,
+        out_features,
+        in_features,
+        a.stride(0),
+        a_scale.stride(0),
+        weight.stride(0),
+        scale_inv.stride(0),
+        num_rows * out_features,
+        k_per_split // FP8_BLOCK,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=FP8_BLOCK,
+        GROUP_M=GROUP_M,
+        EVEN_K=in_features % FP8_BLOCK == 0,
+        UPCAST_DOT=triton_interpreter(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        num_elements = num_rows * out_features
+        launch(
+            _sum_splits_kernel,
+            (triton.cdiv(num_elements, 1024),),
+            a,
+            target,
+            out,
+            num_elements,
+            num_elements,
+            NUM_SPLITS=num_splits,
+            BLOCK=1024,
+            num_warps=4,
+        )
+    return out
+
+
+def fp8_linear_w8a8_triton(
+    x: torch.Tensor,  # [T, in_features] bf16 / fp16 / fp32
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
+    scale_inv: torch.Tensor,  # [ceil(out/128), ceil(in/128)] float32
+    config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """Triton twin of `kernels.fp8.fp8_linear_act_quant_reference`: x quantized per token and
+    128 columns, then the w8a8 GEMM -> [T, out_features] in x's dtype."""
+    q, q_scale = quantize_activations_triton(x)
+    return fp8_gemm_triton(q, q_scale, weight, scale_inv, x.dtype, config)

@@ -1,0 +1,126 @@
+"""GPU: the activation quantizer (bit for bit) and the w8a8 FP8 GEMM on the real FP8 tensor
+cores against their twins at DeepSeek-V3.2's projection shapes, and PDL on vs off identical over
+CUDA-graph replays. Run on the H200 with
+`pytest -m gpu tests/kernels/test_gpu_fp8_gemm.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8 import (
+    fp8_gemm_reference,
+    fp8_linear_act_quant_reference,
+    quantize_activations_reference,
+    quantize_fp8_reference,
+)
+from kernels.fp8_act_quant import quantize_activations_triton
+from kernels.fp8_gemm import W8A8_CONFIGS, fp8_gemm_triton, fp8_linear_w8a8_triton
+from kernels.platform import pdl_enabled
+from kernels.settings import reload_settings
+from tests.kernels.conftest import assert_close
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+CUDA = torch.device("cuda")
+# (out, in): q_a, kv_a (576: a partial last block), q_b, o_proj, the dense MLP's gate+up and
+# down, q_a and kv_a fused (2112).
+SHAPES = [
+    (1536, 7168),
+    (576, 7168),
+    (24576, 1536),
+    (7168, 16384),
+    (36864, 7168),
+    (7168, 18432),
+    (2112, 7168),
+]
+ROWS = [1, 16, 64, 2048, 7, 131]
+
+
+def _weight(out_features: int, in_features: int):
+    w = torch.randn(out_features, in_features, device=CUDA) * in_features**-0.5
+    return quantize_fp8_reference(w)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [7168, 16384, 1536, 300])
+def test_act_quant_identical_to_twin(width, dtype, num_tokens) -> None:
+    x = (
+        torch.randn(num_tokens, width, device=CUDA)
+        * torch.logspace(-3, 3, num_tokens, device=CUDA)[:, None]
+    )
+    x[0, :128] = 0.0
+    x = x.to(dtype)
+    want_q, want_scale = quantize_activations_reference(x)
+    got_q, got_scale = quantize_activations_triton(x)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("num_tokens", ROWS)
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
+def test_fp8_gemm_real_shapes(shape, num_tokens) -> None:
+    weight, scale = _weight(*shape)
+    x = torch.randn(num_tokens, shape[1], dtype=torch.bfloat16, device=CUDA)
+    q, q_scale = quantize_activations_reference(x)
+    want = fp8_gemm_reference(q, q_scale, weight, scale, torch.bfloat16)
+    assert_close(fp8_gemm_triton(q, q_scale, weight, scale, torch.bfloat16), want)
+    # The whole linear (quantize, then GEMM) is the activation twin.
+    assert_close(
+        fp8_linear_w8a8_triton(x, weight, scale), fp8_linear_act_quant_reference(x, weight, scale)
+    )
+
+
+@pytest.mark.parametrize(
+    "config",
+    list(W8A8_CONFIGS.values()),
+    ids=lambda c: f"m{c.block_m}n{c.block_n}s{c.split_target}",
+)
+def test_fp8_gemm_every_config_fp32_out(config) -> None:
+    """Every tile config on one shape, fp32 out. The FP8 tensor cores accumulate a 128-product
+    block with fewer bits than fp32 (why the kernel promotes every block), so fp32 out gets 20x
+    the fp32 tolerance of an fp32 reduction."""
+    weight, scale = _weight(1536, 7168)
+    x = torch.randn(100, 7168, device=CUDA)
+    q, q_scale = quantize_activations_reference(x)
+    got = fp8_gemm_triton(q, q_scale, weight, scale, torch.float32, config)
+    assert_close(got, fp8_gemm_reference(q, q_scale, weight, scale, torch.float32), scale=20.0)
+
+
+def test_fp8_linear_w8a8_pdl_on_and_off_identical_over_graph_replays(monkeypatch) -> None:
+    assert pdl_enabled(CUDA), "this test is meant for Hopper or newer"
+    weights = [_weight(o, i) for o, i in SHAPES[:2]]
+    x = torch.randn(80, 7168, dtype=torch.bfloat16, device=CUDA)
+
+    def run(disable: bool):
+        if disable:
+            monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
+        else:
+            monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
+        reload_settings()  # the code reads the environment once
+
+        def step():
+            return [fp8_linear_w8a8_triton(x, w, s) for w, s in weights]
+
+        eager = step()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        mismatches = 0
+        for _ in range(1000):
+            graph.replay()
+            mismatches += sum(int((o != e).any()) for o, e in zip(outputs, eager))
+        return eager, mismatches
+
+    on, bad_on = run(False)
+    off, bad_off = run(True)
+    assert bad_on == 0 and bad_off == 0
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
