@@ -16,6 +16,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 
 
+def _div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor correctly rounded on every device (PyTorch's CUDA division by a Python
+    scalar multiplies by its reciprocal, which can differ in the last bit)."""
+    return x / torch.full_like(x, divisor)
+
+
 def scale_grid(rows: int, cols: int) -> tuple[int, int]:
     """Shape of the scale tensor of a [rows, cols] FP8 weight."""
     return -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
@@ -38,7 +44,7 @@ def quantize_fp8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     padded[:rows, :cols] = weight.float()
     blocks = padded.view(grid_r, FP8_BLOCK, grid_c, FP8_BLOCK)
     amax = blocks.abs().amax(dim=(1, 3))  # [grid_r, grid_c]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _div(amax, FP8_MAX), torch.ones_like(amax))
     q = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(FP8_DTYPE)
     return q, scale
 
@@ -52,7 +58,7 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     padded[:, :cols] = x.float()
     grouped = padded.view(tokens, groups, FP8_BLOCK)
     amax = grouped.abs().amax(dim=-1)  # [T, groups]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _div(amax, FP8_MAX), torch.ones_like(amax))
     q = (grouped / scale[..., None]).view_as(padded)[:, :cols].to(FP8_DTYPE)
     return q, scale
 

@@ -40,18 +40,23 @@ class Fp8GemmConfig:
     split_target: int = 1
 
 
-# Tile configs by rows: the first entry whose key is >= M, the last for any larger M. Not tuned
-# yet (to tune on the H200 with benchmarks/bench_fp8_linear.py --sweep, which prints a dict to
-# paste here): few rows split K to fill the SMs; many rows take the largest tensor-core tiles.
+# Tile configs by rows: the first entry whose key is >= M, the last for any larger M. Tuned on the
+# H200 (2026-11-30) with `benchmarks/bench_fp8_linear.py --sweep`: per row count, the config
+# nearest every DeepSeek-V3.2 projection's best.
 W8A8_CONFIGS: dict[int, Fp8GemmConfig] = {
-    16: Fp8GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, split_target=264),
-    128: Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, split_target=132),
-    2048: Fp8GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    1: Fp8GemmConfig(block_m=16, block_n=128, num_warps=4, num_stages=3, split_target=264),
+    16: Fp8GemmConfig(block_m=16, block_n=128, num_warps=4, num_stages=3, split_target=264),
+    32: Fp8GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, split_target=264),
+    64: Fp8GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=264),
+    128: Fp8GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=264),
+    256: Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+    2048: Fp8GemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, split_target=1),
 }
-# Rows (tokens) from which kernels.ops.fp8_linear takes this path for bf16 / fp16 activations
-# (below: the w8a16 kernel, kernels/fp8_linear.py). A default, to be set on the H200 from
-# benchmarks/bench_fp8_linear.py --sweep (where the w8a8 column overtakes the w8a16 one).
-W8A8_MIN_TOKENS = 64
+# Rows (tokens) from which kernels.ops.fp8_linear takes this path for bf16 / fp16 activations.
+# The same sweep: the w8a8 kernel's sum over the projections is below the w8a16 kernel's from
+# one row on (191.6 against 228.8 us at M = 1). Also: per-token activation scales make a row's
+# result independent of the batch around it, so a verify step and a decode step agree.
+W8A8_MIN_TOKENS = 1
 # Consecutive tile rows that walk the output columns together, so their weight tiles are read
 # from L2 rather than HBM when M spans several tiles.
 GROUP_M = 8

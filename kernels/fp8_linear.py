@@ -38,13 +38,23 @@ class Fp8LinearConfig:
     split_target: int = 264
 
 
-# Not tuned yet: chosen so that decode (M <= 16) spreads K over enough programs to fill the
-# H200's 132 SMs twice, and prefill uses tensor-core-sized tiles. To tune on the H200 with
-# `benchmarks/bench_fp8_linear.py --sweep`.
+# The first configs (tests use them as a decode-sized and a prefill-sized tile): decode (M <= 16)
+# spreads K over enough programs to fill the H200's 132 SMs twice; prefill uses tensor-core-sized
+# tiles. W8A16_CONFIGS below is what the launcher picks from.
 DECODE_CONFIG = Fp8LinearConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
 PREFILL_CONFIG = Fp8LinearConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
 # By rows: the first entry whose key is >= M, the last for any larger M (`config_for_rows`).
-W8A16_CONFIGS: dict[int, Fp8LinearConfig] = {16: DECODE_CONFIG, 2048: PREFILL_CONFIG}
+# Tuned on the H200 (2026-11-30): `benchmarks/bench_fp8_linear.py --sweep`, the config nearest
+# every DeepSeek-V3.2 projection's best per row count.
+W8A16_CONFIGS: dict[int, Fp8LinearConfig] = {
+    1: Fp8LinearConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, split_target=264),
+    16: Fp8LinearConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, split_target=132),
+    32: Fp8LinearConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=132),
+    64: Fp8LinearConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+    128: Fp8LinearConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+    256: Fp8LinearConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+    2048: Fp8LinearConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+}
 
 Config = TypeVar("Config")
 
