@@ -61,7 +61,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     fp32 activations and few rows: the weight dequantized in registers (w8a16, the twin's exact
     math). bf16 / fp16 activations with at least W8A8_MIN_TOKENS rows, on FP8 tensor cores:
     the activations quantized per token and 128 columns, then the FP8 x FP8 GEMM (w8a8, the
-    activation twin `fp8_linear_act_quant_reference`), unless MTPSERVE_DISABLE_FP8_W8A8=1.
+    activation twin `fp8_linear_act_quant_reference`), when MTPSERVE_FP8_W8A8=1.
     """
     if not use_triton(x.device):
         return fp8_linear_reference(x, weight, scale_inv)
@@ -75,7 +75,7 @@ def use_fp8_w8a8(x: torch.Tensor) -> bool:
     return (
         x.dtype in (torch.bfloat16, torch.float16)
         and x.shape[0] >= W8A8_MIN_TOKENS
-        and not settings().disable_fp8_w8a8
+        and settings().fp8_w8a8
         and fp8_tensor_cores(x.device)
     )
 

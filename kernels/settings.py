@@ -2,8 +2,9 @@
 
 - `MTPSERVE_DISABLE_PDL=1` (`disable_pdl`): no programmatic dependent launch anywhere;
 - `MTPSERVE_FORCE_REFERENCE=1` (`force_reference`): every op runs its pure-torch twin;
-- `MTPSERVE_DISABLE_FP8_W8A8=1` (`disable_fp8_w8a8`): FP8 linears never quantize their
-  activations to FP8 (`kernels.ops.fp8_linear` keeps the w8a16 kernel at every batch size);
+- `MTPSERVE_FP8_W8A8=1` (`fp8_w8a8`): FP8 linears quantize bf16 / fp16 activations to FP8
+  per token and 128 columns in steps of `W8A8_MIN_TOKENS` tokens or more (faster prefill; a
+  step's numerics then depend on its size: see kernels/fp8_gemm.py). Off: the w8a16 kernel;
 - `TRITON_INTERPRET=1` (`triton_interpret`): Triton's interpreter runs the kernels (no PDL);
 - `TRITON_CACHE_DIR` (`triton_cache_dir`): where compiled kernels go (unset: under
   `cache_home`, `kernels.platform.ensure_triton_cache_dir`);
@@ -31,7 +32,7 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 class Settings:
     disable_pdl: bool
     force_reference: bool
-    disable_fp8_w8a8: bool
+    fp8_w8a8: bool
     triton_interpret: bool
     triton_cache_dir: str | None  # as the user set it; None: unset
     cache_home: str  # mtpserve's cache directory (the tiny model, compiled kernels)
@@ -42,7 +43,7 @@ class Settings:
         return cls(
             disable_pdl=_flag(env, "MTPSERVE_DISABLE_PDL"),
             force_reference=_flag(env, "MTPSERVE_FORCE_REFERENCE"),
-            disable_fp8_w8a8=_flag(env, "MTPSERVE_DISABLE_FP8_W8A8"),
+            fp8_w8a8=_flag(env, "MTPSERVE_FP8_W8A8"),
             triton_interpret=_flag(env, "TRITON_INTERPRET"),
             triton_cache_dir=env.get("TRITON_CACHE_DIR") or None,
             cache_home=os.path.join(base, "mtpserve"),

@@ -71,20 +71,20 @@ def test_ops_dispatch_follows_use_triton(monkeypatch, triton_on) -> None:
 
 
 @pytest.mark.parametrize(
-    "triton_on, dtype, num_rows, disable, expect",
+    "triton_on, dtype, num_rows, enable, expect",
     [
-        (False, torch.bfloat16, 256, "0", "twin"),
-        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS, "0", "w8a8"),
-        (True, torch.float16, 2048, "0", "w8a8"),
-        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS - 1, "0", "w8a16"),
-        (True, torch.float32, 2048, "0", "w8a16"),  # fp32: the exact w8a16 math, always
-        (True, torch.bfloat16, 2048, "1", "w8a16"),  # MTPSERVE_DISABLE_FP8_W8A8=1
+        (False, torch.bfloat16, 256, "1", "twin"),
+        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS, "1", "w8a8"),
+        (True, torch.float16, 2048, "1", "w8a8"),
+        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS - 1, "1", "w8a16"),
+        (True, torch.float32, 2048, "1", "w8a16"),  # fp32: the exact w8a16 math, always
+        (True, torch.bfloat16, 2048, "0", "w8a16"),  # the default: MTPSERVE_FP8_W8A8 unset
     ],
 )
-def test_fp8_linear_dispatch(monkeypatch, triton_on, dtype, num_rows, disable, expect) -> None:
+def test_fp8_linear_dispatch(monkeypatch, triton_on, dtype, num_rows, enable, expect) -> None:
     """Few rows or fp32 activations keep the w8a16 kernel; bf16 / fp16 with enough rows
-    quantize the activations (w8a8) unless switched off."""
-    monkeypatch.setenv("MTPSERVE_DISABLE_FP8_W8A8", disable)
+    quantize the activations (w8a8) when switched on."""
+    monkeypatch.setenv("MTPSERVE_FP8_W8A8", enable)
     reload_settings()  # the code reads the environment once
     monkeypatch.setattr(ops, "use_triton", lambda device: triton_on)
     monkeypatch.setattr(ops, "fp8_tensor_cores", lambda device: True)
