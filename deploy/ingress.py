@@ -208,10 +208,20 @@ class OpenAIIngress:
         # One thread: tokenizers are not safe to share across threads, and the loop stays free.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         # Warm before ready: the model server's info (the handle's first call sets up Serve's
-        # router), the tokenizer's load and its thread's first use happen here, while the
-        # replica starts, not in the first request after the app said it was ready.
-        _, tokenizer = await self._ready()
+        # router), the tokenizer's load and its thread's first use, and the chat format's first
+        # rendering (a Jinja template compiles then) happen here, while the replica starts, not
+        # in the first request after the app said it was ready.
+        info, tokenizer = await self._ready()
         await self._tokenize(tokenizer.encode, "warm up")
+        warm_chat = ChatCompletionRequest(
+            model=info.model_name, messages=[{"role": "user", "content": "warm up"}]
+        )
+        try:
+            await self._tokenize(
+                serving.chat_prompt_token_ids, warm_chat, tokenizer, self._chat_format
+            )
+        except Exception:  # noqa: BLE001 - a checkpoint without a chat format: chat answers 400
+            logger.debug("chat format warm-up failed", exc_info=True)
 
     async def _ready(self) -> tuple[ModelInfo, object]:
         """The served model's name, context length and tokenizer, fetched once."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.platform import ensure_triton_cache_dir
-from workers.batch import StepInput, StepOutput
+from workers.batch import SeqWork, StepInput, StepOutput
 from workers.kv_cache import CacheFormat, cache_bytes_per_block, max_blocks_per_seq
 from workers.model_runner import ModelRunner
 
@@ -57,6 +57,12 @@ class WorkerSpec:
     max_num_seqs: int = 64
     indexer_numerics: str = "exact"
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (the MLA latent cache)
+
+
+# Prompt lengths of the dummy prefills the warm-up runs on a GPU: Triton specializes integer
+# arguments on divisibility by 16, so one of each kind.
+WARM_UP_PREFILL_LENGTHS = (16, 17)
+WARM_UP_REQUEST_ID = "__warm_up__"
 
 
 @dataclass(frozen=True)
@@ -222,8 +228,29 @@ class Worker:
             elif kind == "propose" and key not in propose.graphs:
                 propose._capture(*key)
         if self.device.type == "cuda":
+            self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
             torch.cuda.synchronize(self.device)
         return WarmUp(len(keys), time.perf_counter() - started)
+
+    def _warm_up_prefill(self, num_draft_tokens: int, share_topk: bool) -> None:
+        """Prefill (and, with MTP, propose after) one dummy prompt of each WARM_UP_PREFILL_LENGTHS
+        length, so that the first request does not compile or load the eager prefill path's
+        kernels. Its KV goes to blocks after the null block that no request holds yet; the
+        runner then forgets the dummy request."""
+        for num_tokens in WARM_UP_PREFILL_LENGTHS:
+            num_blocks = -(-num_tokens // self.runner.block_size)
+            if num_blocks + 1 > self.num_kv_blocks:
+                continue
+            seq = SeqWork(
+                WARM_UP_REQUEST_ID,
+                [0] * num_tokens,
+                0,
+                list(range(1, num_blocks + 1)),
+                0,
+                samples=True,
+            )
+            self.runner.execute(StepInput([seq], num_draft_tokens, share_topk))
+            self.runner.execute(StepInput([], finished_request_ids=[WARM_UP_REQUEST_ID]))
 
     def ping(self) -> bool:
         return True

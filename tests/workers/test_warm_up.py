@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from kernels.settings import reload_settings
-from workers.worker import WarmUp, Worker, warm_up_keys
+from workers.batch import SeqWork, StepInput
+from workers.worker import (
+    WARM_UP_PREFILL_LENGTHS,
+    WARM_UP_REQUEST_ID,
+    WarmUp,
+    Worker,
+    warm_up_keys,
+)
 
 
 def test_warm_up_keys_cover_every_bucket_in_one_order():
@@ -66,6 +73,37 @@ def test_worker_captures_every_key_once(worker):
         assert log == []  # a second warm-up captures nothing again
     finally:
         worker.runner.graphs, proposer.graphs = graphs, propose
+
+
+def test_prefill_warm_up_runs_each_length_and_leaves_no_trace(worker):
+    """The GPU warm-up's dummy prefills (run here on CPU): one per length, with the proposal
+    after it; afterwards the runner holds nothing of the dummy request, and a real request
+    samples and drafts exactly what it did before."""
+
+    def real_request(request_id):
+        prompt = [5, 9, 2, 7, 11, 3, 8, 1, 4, 6]
+        step = StepInput([SeqWork(request_id, prompt, 0, [5, 6], 0, samples=True)], 2)
+        [result] = worker.runner.execute(step).results
+        worker.runner.execute(StepInput([], finished_request_ids=[request_id]))
+        return result.sampled_token_ids, result.next_draft_token_ids
+
+    before = real_request("before")
+    seen = []
+    execute = worker.runner.execute
+
+    def spy(step):
+        seen.append([(len(s.token_ids), s.samples, step.num_draft_tokens) for s in step.seqs])
+        return execute(step)
+
+    worker.runner.execute = spy
+    try:
+        worker._warm_up_prefill(2, False)
+    finally:
+        del worker.runner.execute
+    assert [entry for entry in seen if entry] == [[(n, True, 2)] for n in WARM_UP_PREFILL_LENGTHS]
+    assert WARM_UP_REQUEST_ID not in worker.runner.states
+    assert WARM_UP_REQUEST_ID not in worker.runner.proposer.pending
+    assert real_request("after") == before
 
 
 def test_engine_is_warm_before_it_exists(tiny_model_dir, monkeypatch):
