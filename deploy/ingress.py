@@ -167,6 +167,26 @@ def _is_number_or_numbers(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+class _OneItem:
+    """A plain call's response read like a stream of its one item (what `_merge` reads)."""
+
+    def __init__(self, response):
+        self._response = response
+        self._read = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._read:
+            raise StopAsyncIteration
+        self._read = True
+        return await self._response
+
+    def cancel(self) -> None:
+        self._response.cancel()
+
+
 async def _first_item(stream):
     try:
         return await stream.__anext__()
@@ -514,11 +534,14 @@ class OpenAIIngress:
         return request_id, streams, firsts, plans[num_live:]
 
     def _start_choice(self, request_id: str, plan: serving.ChoicePlan):
-        return self._stream_server.generate.remote(
-            GenerateRequest(
-                f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.params, plan.stream
-            )
+        """A streamed choice is a streaming call; one not streamed a plain call (one reply,
+        read as a stream of one item), which costs Ray less than a stream of one item."""
+        request = GenerateRequest(
+            f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.params, plan.stream
         )
+        if plan.stream:
+            return self._stream_server.generate.remote(request)
+        return _OneItem(self._model_server.generate_whole.remote(request))
 
     async def _merge(
         self, request_id, streams, firsts, later: list[serving.ChoicePlan]

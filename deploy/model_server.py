@@ -208,6 +208,14 @@ class ModelServer:
                 await self._engine.abort(request.request_id)
             await outputs.aclose()
 
+    async def generate_whole(self, request: GenerateRequest) -> GenerateChunk | GenerateFailure:
+        """A request not streamed, as one call: the whole completion or its failure. Cancelled
+        (the client went away), `generate`'s cleanup aborts the engine request."""
+        last = None
+        async for item in self.generate(request):  # noqa: B007 (not streamed: one item)
+            last = item
+        return last
+
     async def check_health(self) -> None:
         """Serve's health probe: probes every worker; a dead engine is rebuilt once, and if that
         fails too the exception tells Serve to replace the replica."""

@@ -332,6 +332,24 @@ def test_disconnect_mid_stream_frees_blocks(serve_url, served_model, model_serve
     assert stats["kv_usage"] == 0
 
 
+def test_disconnect_before_a_whole_answer_aborts_it(serve_url, served_model, model_server):
+    """A request not streamed is one plain call to the model server: a client that gives up
+    before the answer cancels it, and the engine aborts the request (not runs it to the end)."""
+    _wait_for_idle_engine(model_server)
+    aborted = model_server.engine_stats.remote().result()["num_finished"].get("abort", 0)
+    body = {
+        "model": served_model["id"],
+        "messages": CHAT,  # no max_tokens: the rest of the context
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{serve_url}/v1/chat/completions", json=body, timeout=1.5)
+    stats = _wait_for_idle_engine(model_server)
+    assert stats["kv_usage"] == 0
+    assert stats["num_finished"].get("abort", 0) == aborted + 1
+
+
 def test_health_probes_engine(serve_url, model_server):
     model_server.check_health.remote().result()
     response = httpx.get(f"{serve_url}/health", timeout=30)

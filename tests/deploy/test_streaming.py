@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from cluster.outputs import RequestOutput, join_outputs
 from cluster.async_engine import stream_interval_s
+from cluster.outputs import RequestOutput, join_outputs
 from deploy.model_server import resolve_stream_chunks_per_s, to_chunk
 
 pytestmark = pytest.mark.timeout(180)
@@ -156,6 +156,36 @@ def test_colocated_disconnect_frees_blocks(colocated_url):
             break
         assert time.monotonic() < deadline, engine
         time.sleep(0.2)
+
+
+def test_colocated_disconnect_before_a_whole_answer_aborts_it(colocated_url):
+    """Colocated, a request not streamed is a task of the replica: a client that gives up
+    before the answer cancels it, and the engine aborts the request (not runs it to the end),
+    as /metrics counts (pushed about once a second, so polled)."""
+    import time
+
+    import httpx
+
+    def aborted() -> float:
+        text = httpx.get(f"{colocated_url}/metrics", timeout=30).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("mtpserve:request_success_total{")
+            and 'finished_reason="abort"' in line
+        )
+
+    model = httpx.get(f"{colocated_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    before = aborted()
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{colocated_url}/v1/completions", json=body | {"temperature": 0.0}, timeout=1.5)
+    deadline = time.monotonic() + 30
+    while aborted() != before + 1:
+        assert time.monotonic() < deadline, (before, aborted())
+        time.sleep(0.3)
+    engine = httpx.get(f"{colocated_url}/health", timeout=30).json()["engine"]
+    assert engine["num_running"] == 0 and engine["num_free_blocks"] == engine["num_total_blocks"]
 
 
 def test_auto_chunk_budget_follows_the_cores(monkeypatch):
