@@ -31,7 +31,7 @@ from typing import Protocol
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineStats, LLMEngine
-from cluster.outputs import RequestOutput, join_outputs
+from cluster.outputs import JoinedOutputs, RequestOutput, join_outputs
 from cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class _Subscriber:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     stream: bool
-    pending: list[RequestOutput] = field(default_factory=list)  # not yet sent
+    pending: JoinedOutputs = field(default_factory=JoinedOutputs)  # not yet sent
     token_stamps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, when)
     next_send_s: float = 0.0  # time.monotonic(); 0: the next output goes at once
 
@@ -234,13 +234,13 @@ class AsyncEngine:
             if isinstance(out, _Refusal):
                 by_loop.setdefault(sub.loop, []).append((sub.queue, out))
                 continue
-            sub.pending.append(out)
+            sub.pending.add(out)
             if out.new_token_ids:
                 sub.token_stamps.append((len(out.new_token_ids), now_s))
             if not (out.finished or (sub.stream and now_mono >= sub.next_send_s)):
                 continue  # joins a later output
-            delivery = _Delivery(join_outputs(sub.pending), sub.token_stamps)
-            sub.pending, sub.token_stamps = [], []
+            delivery = _Delivery(sub.pending.take(), sub.token_stamps)
+            sub.token_stamps = []
             sub.next_send_s = now_mono + interval_s
             by_loop.setdefault(sub.loop, []).append((sub.queue, delivery))
         for loop, items in by_loop.items():

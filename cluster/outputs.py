@@ -207,3 +207,39 @@ def join_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         new_text="".join(out.new_text for out in outputs),
         new_logprobs=new_logprobs,
     )
+
+
+class JoinedOutputs:
+    """`join_outputs` of a request's outputs as they come: each `add` costs its deltas only.
+    (Keeping the outputs to join later would keep each one's copy of the cumulative token ids
+    and text: quadratic in the completion's length for a request held until it finishes.)"""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._last: RequestOutput | None = None
+        self._token_ids: list[int] = []
+        self._text_parts: list[str] = []
+        self._logprobs: list[Any] = []
+
+    def __bool__(self) -> bool:
+        return self._last is not None
+
+    def add(self, out: RequestOutput) -> None:
+        self._last = out
+        self._token_ids.extend(out.new_token_ids)
+        self._text_parts.append(out.new_text)
+        self._logprobs.extend(out.new_logprobs or [])
+
+    def take(self) -> RequestOutput:
+        """The join of every output added since the last `take` (at least one)."""
+        last = self._last
+        joined = replace(
+            last,
+            new_token_ids=self._token_ids,
+            new_text="".join(self._text_parts),
+            new_logprobs=self._logprobs if last.new_logprobs is not None else None,
+        )
+        self._reset()
+        return joined

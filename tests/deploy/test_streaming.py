@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from cluster.async_engine import stream_interval_s
-from cluster.outputs import RequestOutput, join_outputs
+from cluster.outputs import JoinedOutputs, RequestOutput, join_outputs
 from deploy.model_server import resolve_stream_chunks_per_s, to_chunk
 
 pytestmark = pytest.mark.timeout(180)
@@ -89,6 +89,21 @@ def test_join_outputs_keeps_every_delta_once_in_order():
     assert join_outputs([a]) is a
     chunk = to_chunk(joined)
     assert (chunk.new_token_ids, chunk.new_text, chunk.finished) == ([5, 6, 7, 8], "abc", True)
+
+
+def test_outputs_joined_as_they_come_equal_join_outputs():
+    a = _output([5], "a", [5], "a", logprobs=[{"token_id": 5}])
+    b = _output([6, 7], "", [5, 6, 7], "a", logprobs=[{"token_id": 6}, {"token_id": 7}])
+    c = _output([8], "bc", [5, 6, 7, 8], "abc", finished=True, logprobs=[{"token_id": 8}])
+    plain = [_output([5], "a", [5], "a"), _output([6], "b", [5, 6], "ab", finished=True)]
+    pending = JoinedOutputs()
+    assert not pending
+    for outputs in ([a, b, c], [b], plain, [a, b], [c]):  # takes in turn, then empty again
+        for out in outputs:
+            pending.add(out)
+        assert pending
+        assert pending.take() == join_outputs(outputs)
+        assert not pending
 
 
 def test_stream_interval_spreads_the_replica_budget_over_its_streams():
