@@ -168,6 +168,9 @@ class HttpxClient:
             base_url=base_url, timeout=httpx.Timeout(600, connect=30), limits=limits
         )
 
+    async def get_json(self, path: str) -> dict:
+        return (await self._http.get(path)).json()
+
     async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
         response = await self._http.post(path, json=body)
         return response.status_code, response.json()
@@ -192,6 +195,10 @@ class AiohttpClient:
             connector=aiohttp.TCPConnector(limit=concurrency + 4),
             timeout=aiohttp.ClientTimeout(total=600, connect=30),
         )
+
+    async def get_json(self, path: str) -> dict:
+        async with self._http.get(self._base + path) as response:
+            return await response.json()
 
     async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
         async with self._http.post(self._base + path, json=body) as response:
@@ -259,11 +266,23 @@ async def one_full(http, model: str, prompt: list[int], max_tokens: int, result:
 
 
 async def run_http(
-    client_cls, url, model, prompts, path: str, concurrency: int, num_requests: int, max_tokens
+    client_cls,
+    url,
+    model,
+    prompts,
+    path: str,
+    concurrency: int,
+    num_requests: int,
+    max_tokens,
+    warm_client: bool = False,
 ) -> LevelResult:
+    """`warm_client`: one GET /v1/models first, untimed, so that the client's own first use (its
+    connection, its library's first request) is not counted against the server."""
     one = one_streamed if path == "stream" else one_full
     result = LevelResult(path, concurrency)
     http = client_cls(url, concurrency)
+    if warm_client:
+        await http.get_json("/v1/models")
     next_index = iter(range(num_requests))
 
     async def client() -> None:
@@ -545,9 +564,20 @@ def _serve(engine_options, prompts, levels, paths, args, deploy, port, direct):
         url = args.url.rstrip("/").removesuffix("/v1")
     server = _Server(client_class(args.client), url, _served_model(url))
     # The first requests after the server said it was ready, one at a time, before any warm-up
-    # of ours: compilation or graph capture left for them shows as a slow first one.
+    # of the server's completion path (the client's connection is made first, untimed):
+    # compilation or graph capture left for them shows as a slow first one.
     first = asyncio.run(
-        run_http(server.client_cls, url, server.model, prompts, "full", 1, 10, args.max_tokens)
+        run_http(
+            server.client_cls,
+            url,
+            server.model,
+            prompts,
+            "full",
+            1,
+            10,
+            args.max_tokens,
+            warm_client=True,
+        )
     )
     first_ms = [s * 1e3 for s in first.latency_s]
     if len(first_ms) == 10:

@@ -210,8 +210,9 @@ class Worker:
         """Compile and capture now, before the engine reports ready, what the first requests
         would otherwise pay for: a CUDA graph of the decode step for every batch bucket of the
         graph table, and of the MTP proposal after a verify (Triton compiles each kernel
-        variant while the graph warms it up, `DecodeGraphs.capture_graph`). Eager runners
-        (CPU, `enforce_eager`) have nothing to capture. Every rank calls this at once with the
+        variant while the graph warms it up, `DecodeGraphs.capture_graph`; eager runners, CPU
+        and `enforce_eager`, have nothing to capture), then a few dummy steps of the eager path
+        (`_warm_up_prefill`). Every rank calls this at once with the
         same arguments: a capture runs the forward, whose collectives need every rank."""
         started = time.perf_counter()
         graphs = self.runner.graphs
@@ -227,29 +228,36 @@ class Worker:
                 graphs.capture(*key)
             elif kind == "propose" and key not in propose.graphs:
                 propose._capture(*key)
+        self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
         if self.device.type == "cuda":
-            self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
             torch.cuda.synchronize(self.device)
         return WarmUp(len(keys), time.perf_counter() - started)
 
     def _warm_up_prefill(self, num_draft_tokens: int, share_topk: bool) -> None:
-        """Prefill (and, with MTP, propose after) one dummy prompt of each WARM_UP_PREFILL_LENGTHS
-        length, so that the first request does not compile or load the eager prefill path's
-        kernels. Its KV goes to blocks after the null block that no request holds yet; the
-        runner then forgets the dummy request."""
+        """Prefill one dummy prompt of each WARM_UP_PREFILL_LENGTHS length and decode one token
+        after it (with MTP: a verify step, and a proposal after each), so that the first request
+        does not compile or load the eager path's kernels (GPU) or build the matmul primitives of
+        its shapes (CPU). Its KV goes to blocks after the null block that no request holds yet;
+        the runner then forgets the dummy request."""
         for num_tokens in WARM_UP_PREFILL_LENGTHS:
-            num_blocks = -(-num_tokens // self.runner.block_size)
+            num_blocks = -(-(num_tokens + 1 + num_draft_tokens) // self.runner.block_size)
             if num_blocks + 1 > self.num_kv_blocks:
                 continue
-            seq = SeqWork(
+            block_ids = list(range(1, num_blocks + 1))
+            prefill = SeqWork(WARM_UP_REQUEST_ID, [0] * num_tokens, 0, block_ids, 0, samples=True)
+            [result] = self.runner.execute(
+                StepInput([prefill], num_draft_tokens, share_topk)
+            ).results
+            drafts = result.next_draft_token_ids
+            decode = SeqWork(
                 WARM_UP_REQUEST_ID,
-                [0] * num_tokens,
-                0,
-                list(range(1, num_blocks + 1)),
-                0,
+                result.sampled_token_ids[-1:] + drafts,
+                num_tokens,
+                block_ids,
+                len(drafts),
                 samples=True,
             )
-            self.runner.execute(StepInput([seq], num_draft_tokens, share_topk))
+            self.runner.execute(StepInput([decode], num_draft_tokens, share_topk))
             self.runner.execute(StepInput([], finished_request_ids=[WARM_UP_REQUEST_ID]))
 
     def ping(self) -> bool:

@@ -57,7 +57,8 @@ def test_cpu_worker_has_nothing_to_capture(worker):
     assert worker.warm_up(2, True).num_graphs == 0
 
 
-def test_worker_captures_every_key_once(worker):
+def test_worker_captures_every_key_once(worker, monkeypatch):
+    monkeypatch.setattr(worker, "_warm_up_prefill", lambda *args: None)  # eager, not graphs
     log: list = []
     proposer = worker.runner.proposer
     graphs, propose = worker.runner.graphs, proposer.graphs
@@ -76,9 +77,9 @@ def test_worker_captures_every_key_once(worker):
 
 
 def test_prefill_warm_up_runs_each_length_and_leaves_no_trace(worker):
-    """The GPU warm-up's dummy prefills (run here on CPU): one per length, with the proposal
-    after it; afterwards the runner holds nothing of the dummy request, and a real request
-    samples and drafts exactly what it did before."""
+    """The warm-up's dummy requests: per length a prefill and one verify step, each with the
+    proposal after it; afterwards the runner holds nothing of the dummy request, and a real
+    request samples and drafts exactly what it did before."""
 
     def real_request(request_id):
         prompt = [5, 9, 2, 7, 11, 3, 8, 1, 4, 6]
@@ -100,7 +101,9 @@ def test_prefill_warm_up_runs_each_length_and_leaves_no_trace(worker):
         worker._warm_up_prefill(2, False)
     finally:
         del worker.runner.execute
-    assert [entry for entry in seen if entry] == [[(n, True, 2)] for n in WARM_UP_PREFILL_LENGTHS]
+    # Per length: the prefill, then a verify of the sampled token and its 2 drafts.
+    expected = [[step] for n in WARM_UP_PREFILL_LENGTHS for step in ((n, True, 2), (3, True, 2))]
+    assert [entry for entry in seen if entry] == expected
     assert WARM_UP_REQUEST_ID not in worker.runner.states
     assert WARM_UP_REQUEST_ID not in worker.runner.proposer.pending
     assert real_request("after") == before
