@@ -53,3 +53,36 @@ def overlap(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
         got_set = {i for i in got if i >= 0}
         fractions.append(len(want_set & got_set) / max(1, len(want_set)))
     return torch.tensor(fractions)
+
+
+def pdl_on_and_off_over_graph_replays(step, monkeypatch, num_replays: int = 1000):
+    """Run `step()` (-> a list of tensors) eagerly with PDL on and with it off, and replay a CUDA
+    graph of it `num_replays` times each way: -> (outputs with PDL on, with it off, replays whose
+    outputs differed from that way's eager ones). Callers assert the outputs equal and no replay
+    differed."""
+    from kernels.settings import reload_settings
+
+    def run(disable: bool):
+        if disable:
+            monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
+        else:
+            monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
+        reload_settings()  # the code reads the environment once
+        eager = step()
+        stream = torch.cuda.Stream()  # warm-up off the capturing stream, as CUDA graphs ask
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        mismatches = 0
+        for _ in range(num_replays):
+            graph.replay()
+            mismatches += sum(int((o != e).any()) for o, e in zip(outputs, eager))
+        return eager, mismatches
+
+    on, bad_on = run(False)
+    off, bad_off = run(True)
+    return on, off, bad_on + bad_off

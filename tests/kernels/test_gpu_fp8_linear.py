@@ -9,8 +9,7 @@ import torch
 from kernels.fp8 import fp8_linear_reference, quantize_fp8_reference
 from kernels.fp8_linear import fp8_linear_triton
 from kernels.platform import pdl_enabled
-from kernels.settings import reload_settings
-from tests.kernels.conftest import assert_close
+from tests.kernels.conftest import assert_close, pdl_on_and_off_over_graph_replays
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,33 +48,8 @@ def test_fp8_linear_pdl_on_and_off_identical_over_graph_replays(monkeypatch) -> 
     weights = [_weight(o, i) for o, i in SHAPES[:2]]
     x = torch.randn(4, 7168, dtype=torch.bfloat16, device=CUDA)
 
-    def run(disable: bool):
-        if disable:
-            monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
-            reload_settings()  # the code reads the environment once
-        else:
-            monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
-            reload_settings()  # the code reads the environment once
-
-        def step():
-            return [fp8_linear_triton(x, w, s) for w, s in weights]
-
-        eager = step()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = step()
-        mismatches = 0
-        for _ in range(1000):
-            graph.replay()
-            mismatches += sum(int((o != e).any()) for o, e in zip(outputs, eager))
-        return eager, mismatches
-
-    on, bad_on = run(False)
-    off, bad_off = run(True)
-    assert bad_on == 0 and bad_off == 0
+    on, off, mismatches = pdl_on_and_off_over_graph_replays(
+        lambda: [fp8_linear_triton(x, w, s) for w, s in weights], monkeypatch
+    )
+    assert mismatches == 0
     assert all(torch.equal(a, b) for a, b in zip(on, off))
