@@ -166,7 +166,9 @@ class LLMEngine:
                 f"{self.max_model_len} tokens, including at least one generated token",
                 "prompt",
             )
-        self.scheduler.add(Request(request_id, prompt_token_ids, params, self.eos_token_ids))
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+        request.sampling_spec = self._sampling_spec(request)  # fixed for the request's life
+        self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -253,7 +255,7 @@ class LLMEngine:
                     block_ids=list(s.request.block_ids),
                     num_draft_tokens=s.num_draft_tokens,
                     samples=s.samples,
-                    sampling=self._sampling_spec(s.request),
+                    sampling=s.request.sampling_spec,
                 )
             )
         finished, self._finished_ids = self._finished_ids, []

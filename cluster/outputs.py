@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from cluster.detokenizer import num_stop_holdback_chars
+
 if TYPE_CHECKING:
     from cluster.request import Request
 
@@ -156,8 +158,6 @@ def make_request_output(request: Request) -> RequestOutput:
     back (it may yet be cut); once finished, everything left is released. Each token id and each
     character therefore appears in exactly one `new_*` delta.
     """
-    from cluster.detokenizer import num_stop_holdback_chars
-
     finished = request.status.is_finished
     text = request.output_text
     if finished:

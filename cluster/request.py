@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.outputs import SpecDecodeStats
 from cluster.sampling_params import SamplingParams
+from workers.batch import SamplingSpec
 
 if TYPE_CHECKING:
     from cluster.detokenizer import IncrementalDetokenizer
@@ -86,6 +87,8 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     num_final_blocks: int = 0
     num_cached_tokens: int = 0
+    # What the device needs of sampling_params (built once when the engine admits the request).
+    sampling_spec: SamplingSpec = field(default_factory=SamplingSpec)
     num_prefill_tokens: int = -1  # set to len(prompt) in __post_init__, num_tokens on preemption
     # Streaming markers, advanced by `cluster.outputs.make_request_output`.
     num_sent_tokens: int = 0
