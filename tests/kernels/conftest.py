@@ -55,34 +55,38 @@ def overlap(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     return torch.tensor(fractions)
 
 
-def pdl_on_and_off_over_graph_replays(step, monkeypatch, num_replays: int = 1000):
-    """Run `step()` (-> a list of tensors) eagerly with PDL on and with it off, and replay a CUDA
-    graph of it `num_replays` times each way: -> (outputs with PDL on, with it off, replays whose
-    outputs differed from that way's eager ones). Callers assert the outputs equal and no replay
-    differed."""
+def graph_replays(step, num_replays: int) -> tuple[tuple[torch.Tensor, ...], int]:
+    """Capture `step` (-> tensors) in a CUDA graph; replay it; count replays whose outputs
+    differ from the eager run's (bitwise, counted on the device: no sync per replay)."""
+    eager = tuple(t.clone() for t in step())  # also compiles every kernel before capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    mismatches = torch.zeros((), dtype=torch.int64, device=outputs[0].device)
+    for _ in range(num_replays):
+        graph.replay()
+        for got, want in zip(outputs, eager):
+            mismatches += (got != want).any()
+    return eager, int(mismatches)
+
+
+def pdl_on_and_off_over_graph_replays(make_step, monkeypatch, num_replays: int = 1000):
+    """`graph_replays` of `make_step()` with PDL on, then with it off (the step is made after
+    each switch): -> (outputs with PDL on, with it off, replays that differed from their eager
+    run, both ways). Callers assert the outputs equal and no replay differed."""
+    from kernels.platform import pdl_enabled
     from kernels.settings import reload_settings
 
-    def run(disable: bool):
-        if disable:
-            monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
-        else:
-            monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
-        reload_settings()  # the code reads the environment once
-        eager = step()
-        stream = torch.cuda.Stream()  # warm-up off the capturing stream, as CUDA graphs ask
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = step()
-        mismatches = 0
-        for _ in range(num_replays):
-            graph.replay()
-            mismatches += sum(int((o != e).any()) for o, e in zip(outputs, eager))
-        return eager, mismatches
-
-    on, bad_on = run(False)
-    off, bad_off = run(True)
+    monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
+    reload_settings()  # the code reads the environment once
+    on, bad_on = graph_replays(make_step(), num_replays)
+    monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
+    reload_settings()
+    assert not pdl_enabled(torch.device("cuda"))
+    off, bad_off = graph_replays(make_step(), num_replays)
     return on, off, bad_on + bad_off

@@ -49,7 +49,7 @@ def test_fp8_linear_pdl_on_and_off_identical_over_graph_replays(monkeypatch) -> 
     x = torch.randn(4, 7168, dtype=torch.bfloat16, device=CUDA)
 
     on, off, mismatches = pdl_on_and_off_over_graph_replays(
-        lambda: [fp8_linear_triton(x, w, s) for w, s in weights], monkeypatch
+        lambda: lambda: [fp8_linear_triton(x, w, s) for w, s in weights], monkeypatch
     )
     assert mismatches == 0
     assert all(torch.equal(a, b) for a, b in zip(on, off))

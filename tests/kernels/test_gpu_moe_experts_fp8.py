@@ -11,9 +11,7 @@ from kernels.fp8 import FP8_DTYPE, scale_grid
 from kernels.moe_experts import grouped_moe_reference, grouped_moe_triton
 from kernels.moe_routing import moe_route_triton
 from kernels.platform import pdl_enabled
-from kernels.settings import reload_settings
-from tests.kernels.conftest import assert_close
-from tests.kernels.test_gpu_real_shapes import _graph_replays
+from tests.kernels.conftest import assert_close, pdl_on_and_off_over_graph_replays
 
 pytestmark = [
     pytest.mark.gpu,
@@ -129,13 +127,9 @@ def test_fp8_pdl_on_and_off_identical_over_graph_replays(
     fp8_experts, monkeypatch, num_tokens: int
 ) -> None:
     assert pdl_enabled(CUDA), "this test is meant for Hopper or newer"
-    monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
-    reload_settings()  # the code reads the environment once
-    with_pdl, mismatches_on = _graph_replays(_fp8_moe_chain(fp8_experts, num_tokens), 1000)
-    monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
-    reload_settings()  # the code reads the environment once
-    assert not pdl_enabled(CUDA)
-    without_pdl, mismatches_off = _graph_replays(_fp8_moe_chain(fp8_experts, num_tokens), 1000)
-    assert mismatches_on == 0 and mismatches_off == 0
+    with_pdl, without_pdl, mismatches = pdl_on_and_off_over_graph_replays(
+        lambda: _fp8_moe_chain(fp8_experts, num_tokens), monkeypatch
+    )
+    assert mismatches == 0
     for on, off in zip(with_pdl, without_pdl):
         assert torch.equal(on, off)

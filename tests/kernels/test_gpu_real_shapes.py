@@ -20,9 +20,8 @@ from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.platform import pdl_enabled
 from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from kernels.rope import rope_cos_sin, rope_reference, rope_triton
-from kernels.settings import reload_settings
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
-from tests.kernels.conftest import assert_close, overlap
+from tests.kernels.conftest import assert_close, overlap, pdl_on_and_off_over_graph_replays
 
 pytestmark = [
     pytest.mark.gpu,
@@ -224,35 +223,11 @@ def _decode_chain(experts, num_tokens: int = 8, context: int = 4096):
     return step
 
 
-def _graph_replays(step, num_replays: int) -> tuple[tuple[torch.Tensor, ...], int]:
-    """Capture `step` in a CUDA graph; replay it; count replays whose outputs differ from the
-    eager run's (bitwise)."""
-    eager = tuple(t.clone() for t in step())  # also compiles every kernel before capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    mismatches = torch.zeros((), dtype=torch.int64, device=CUDA)
-    for _ in range(num_replays):
-        graph.replay()
-        for got, want in zip(outputs, eager):
-            mismatches += (got != want).any()
-    return eager, int(mismatches)
-
-
 def test_pdl_on_and_off_identical_over_graph_replays(experts, monkeypatch) -> None:
     assert pdl_enabled(CUDA), "this test is meant for Hopper or newer"
-    monkeypatch.delenv("MTPSERVE_DISABLE_PDL", raising=False)
-    reload_settings()  # the code reads the environment once
-    with_pdl, mismatches_on = _graph_replays(_decode_chain(experts), 1000)
-    monkeypatch.setenv("MTPSERVE_DISABLE_PDL", "1")
-    reload_settings()  # the code reads the environment once
-    assert not pdl_enabled(CUDA)
-    without_pdl, mismatches_off = _graph_replays(_decode_chain(experts), 1000)
-    assert mismatches_on == 0 and mismatches_off == 0
+    with_pdl, without_pdl, mismatches = pdl_on_and_off_over_graph_replays(
+        lambda: _decode_chain(experts), monkeypatch
+    )
+    assert mismatches == 0
     for on, off in zip(with_pdl, without_pdl):
         assert torch.equal(on, off)
