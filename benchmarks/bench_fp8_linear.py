@@ -23,8 +23,8 @@ import torch
 
 from benchmarks.bench_kernels import copy_bandwidth_gbs
 from kernels.fp8 import quantize_fp8_reference
-from kernels.fp8_gemm import Fp8GemmConfig, fp8_linear_w8a8_triton
-from kernels.fp8_linear import Fp8LinearConfig, fp8_linear_triton
+from kernels.fp8_gemm import fp8_linear_w8a8_triton
+from kernels.fp8_linear import Fp8TileConfig, fp8_linear_triton
 
 SHAPES = {
     "q_a 1536x7168": (1536, 7168),
@@ -68,18 +68,18 @@ def graph_us(fn, reps: int | None = None) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def w8a16_candidates(num_tokens: int) -> list[Fp8LinearConfig]:
+def w8a16_candidates(num_tokens: int) -> list[Fp8TileConfig]:
     block_m = 16 if num_tokens <= 16 else 64
     splits = (132, 264, 528) if num_tokens <= 128 else (1, 132)
     return [
-        Fp8LinearConfig(block_m, block_n, warps, stages, split)
+        Fp8TileConfig(block_m, block_n, warps, stages, split)
         for block_n, (warps, stages), split in itertools.product(
             (32, 64, 128), W8A16_WARPS_STAGES, splits
         )
     ]
 
 
-def w8a8_candidates(num_tokens: int) -> list[Fp8GemmConfig]:
+def w8a8_candidates(num_tokens: int) -> list[Fp8TileConfig]:
     if num_tokens <= 16:
         block_ms, splits = (16,), (132, 264, 528)
     elif num_tokens <= 128:
@@ -87,7 +87,7 @@ def w8a8_candidates(num_tokens: int) -> list[Fp8GemmConfig]:
     else:
         block_ms, splits = (64, 128), (1, 132)
     return [
-        Fp8GemmConfig(block_m, block_n, warps, stages, split)
+        Fp8TileConfig(block_m, block_n, warps, stages, split)
         for block_m, block_n, (warps, stages), split in itertools.product(
             block_ms, (64, 128), W8A8_WARPS_STAGES, splits
         )
@@ -195,12 +195,12 @@ def sweep(shapes: dict, tokens: list[int], bw: float) -> None:
     wins = [sums[t]["w8a8"] < sums[t]["w8a16"] for t in tokens]
     min_tokens = next((t for i, t in enumerate(tokens) if all(wins[i:])), None)
     print("\n# kernels/fp8_linear.py")
-    print("W8A16_CONFIGS: dict[int, Fp8LinearConfig] = {")
+    print("W8A16_CONFIGS: dict[int, Fp8TileConfig] = {")
     for t, c in picks["w8a16"].items():
         print(f"    {t}: {c!r},")
     print("}")
     print("# kernels/fp8_gemm.py")
-    print("W8A8_CONFIGS: dict[int, Fp8GemmConfig] = {")
+    print("W8A8_CONFIGS: dict[int, Fp8TileConfig] = {")
     for t, c in picks["w8a8"].items():
         print(f"    {t}: {c!r},")
     print("}")

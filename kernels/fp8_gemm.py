@@ -16,41 +16,28 @@ before the dot: the same products (an e4m3 x e4m3 product is exact in fp32), the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
 from kernels.fp8_act_quant import quantize_activations_triton
-from kernels.fp8_linear import _sum_splits_kernel, config_for_rows, split_k
+from kernels.fp8_linear import Fp8TileConfig, _sum_splits_kernel, config_for_rows, split_k
 from kernels.launch import check_tensor, launch
 from kernels.platform import tl, triton, triton_interpreter
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@dataclass(frozen=True)
-class Fp8GemmConfig:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    # Programs to aim for: K is split (in 128-wide blocks, summed in a fixed order by a second
-    # kernel) until tiles x splits reaches this; 1 never splits.
-    split_target: int = 1
-
-
 # Tile configs by rows: the first entry whose key is >= M, the last for any larger M. Tuned on the
 # H200 (2026-11-30) with `benchmarks/bench_fp8_linear.py --sweep`: per row count, the config
 # nearest every DeepSeek-V3.2 projection's best.
-W8A8_CONFIGS: dict[int, Fp8GemmConfig] = {
-    1: Fp8GemmConfig(block_m=16, block_n=128, num_warps=4, num_stages=3, split_target=264),
-    16: Fp8GemmConfig(block_m=16, block_n=128, num_warps=4, num_stages=3, split_target=264),
-    32: Fp8GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, split_target=264),
-    64: Fp8GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=264),
-    128: Fp8GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=264),
-    256: Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
-    2048: Fp8GemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, split_target=1),
+W8A8_CONFIGS: dict[int, Fp8TileConfig] = {
+    1: Fp8TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=3, split_target=264),
+    16: Fp8TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=3, split_target=264),
+    32: Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, split_target=264),
+    64: Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=264),
+    128: Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=264),
+    256: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+    2048: Fp8TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, split_target=1),
 }
 # Rows (tokens) from which kernels.ops.fp8_linear takes this path for bf16 / fp16 activations
 # when MTPSERVE_FP8_W8A8=1 (otherwise, and below it: the w8a16 kernel). The sweep above has w8a8
@@ -148,7 +135,7 @@ def fp8_gemm_triton(
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     scale_inv: torch.Tensor,  # [ceil(N/128), ceil(K/128)] float32
     out_dtype: torch.dtype = torch.bfloat16,
-    config: Fp8GemmConfig | None = None,
+    config: Fp8TileConfig | None = None,
 ) -> torch.Tensor:
     """Triton twin of `kernels.fp8.fp8_gemm_reference`: [M, N] in out_dtype."""
     check_tensor("a", a, ndim=2, dtypes=(FP8_DTYPE,))
@@ -228,7 +215,7 @@ def fp8_linear_w8a8_triton(
     x: torch.Tensor,  # [T, in_features] bf16 / fp16 / fp32
     weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
     scale_inv: torch.Tensor,  # [ceil(out/128), ceil(in/128)] float32
-    config: Fp8GemmConfig | None = None,
+    config: Fp8TileConfig | None = None,
 ) -> torch.Tensor:
     """Triton twin of `kernels.fp8.fp8_linear_act_quant_reference`: x quantized per token and
     128 columns, then the w8a8 GEMM -> [T, out_features] in x's dtype."""

@@ -28,32 +28,34 @@ from kernels.platform import tl, triton
 
 
 @dataclass(frozen=True)
-class Fp8LinearConfig:
+class Fp8TileConfig:
+    """A launch config of both FP8 GEMMs (this w8a16 one and kernels/fp8_gemm.py's w8a8)."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    # Programs to aim for: K is split (in 128-wide blocks) until tiles x splits reaches this;
-    # 1 never splits.
+    # Programs to aim for: K is split (in 128-wide blocks, summed in a fixed order by a second
+    # kernel) until tiles x splits reaches this; 1 never splits.
     split_target: int = 264
 
 
 # The first configs (tests use them as a decode-sized and a prefill-sized tile): decode (M <= 16)
 # spreads K over enough programs to fill the H200's 132 SMs twice; prefill uses tensor-core-sized
 # tiles. W8A16_CONFIGS below is what the launcher picks from.
-DECODE_CONFIG = Fp8LinearConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
-PREFILL_CONFIG = Fp8LinearConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
+DECODE_CONFIG = Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
+PREFILL_CONFIG = Fp8TileConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
 # By rows: the first entry whose key is >= M, the last for any larger M (`config_for_rows`).
 # Tuned on the H200 (2026-11-30): `benchmarks/bench_fp8_linear.py --sweep`, the config nearest
 # every DeepSeek-V3.2 projection's best per row count.
-W8A16_CONFIGS: dict[int, Fp8LinearConfig] = {
-    1: Fp8LinearConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, split_target=264),
-    16: Fp8LinearConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, split_target=132),
-    32: Fp8LinearConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=132),
-    64: Fp8LinearConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
-    128: Fp8LinearConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
-    256: Fp8LinearConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
-    2048: Fp8LinearConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+W8A16_CONFIGS: dict[int, Fp8TileConfig] = {
+    1: Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, split_target=264),
+    16: Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, split_target=132),
+    32: Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=132),
+    64: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+    128: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+    256: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
+    2048: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
 }
 
 Config = TypeVar("Config")
@@ -159,7 +161,7 @@ def fp8_linear_triton(
     x: torch.Tensor,  # [T, in_features]
     weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
     scale_inv: torch.Tensor,  # [ceil(out/128), ceil(in/128)] float32
-    config: Fp8LinearConfig | None = None,
+    config: Fp8TileConfig | None = None,
 ) -> torch.Tensor:
     """Triton twin of `kernels.fp8.fp8_linear_reference`: [T, out_features] in x's dtype."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)

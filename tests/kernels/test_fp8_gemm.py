@@ -15,11 +15,10 @@ from kernels.fp8 import (
 )
 from kernels.fp8_gemm import (
     W8A8_CONFIGS,
-    Fp8GemmConfig,
     fp8_gemm_triton,
     fp8_linear_w8a8_triton,
 )
-from kernels.fp8_linear import config_for_rows
+from kernels.fp8_linear import Fp8TileConfig, config_for_rows
 from tests.kernels.conftest import DEVICE, assert_close, needs_triton
 
 
@@ -58,7 +57,7 @@ def test_fp8_gemm_matches_twin(out_dtype, num_rows, out_features, in_features) -
     "config",
     [
         *W8A8_CONFIGS.values(),
-        Fp8GemmConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, split_target=10_000),
+        Fp8TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, split_target=10_000),
     ],
     ids=lambda c: f"m{c.block_m}n{c.block_n}s{c.split_target}",
 )
