@@ -565,7 +565,7 @@ class OpenAIIngress:
                 if not (isinstance(first, GenerateChunk) and first.finished):
                     async for item in stream:
                         await queue.put((index, item))
-                if isinstance(item, GenerateChunk) and item.finished:
+                if isinstance(item, GenerateFailure) or item.finished:  # the model server's last
                     ended.add(id(stream))
             except asyncio.CancelledError:
                 raise

@@ -5,7 +5,8 @@ placement group (bundle 0 for the replica and coordinator, one bundle per worker
 starting, replacing or stopping a replica starts, replaces or stops its whole engine.
 
 Request lifecycle (`generate`):
-  1. the ingress calls `generate` through a streaming `DeploymentHandle`;
+  1. the ingress calls `generate` through a streaming `DeploymentHandle` for a streamed
+     request, `generate_whole` (the same, as one reply) for one that is not;
   2. the engine's outputs go back as `GenerateChunk`s (deltas), paced by the engine's loop thread
      (`cluster.async_engine`): for a streamed request the first at once, then at most one chunk
      per stream interval holding every step since the last one; for a non-streamed request one
