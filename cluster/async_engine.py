@@ -99,7 +99,7 @@ class _Subscriber:
     stream: bool
     pending: JoinedOutputs = field(default_factory=JoinedOutputs)  # not yet sent
     token_stamps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, when)
-    next_send_s: float = 0.0  # time.monotonic(); 0: the next output goes at once
+    next_send_s: float = 0.0  # time.perf_counter(); 0: the next output goes at once
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,6 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput | _Refusal]) -> None:
         """Hand what is due to the callers: one callback per caller event loop for the step."""
         now_s = time.perf_counter()
-        now_mono = time.monotonic()
         interval_s = stream_interval_s(self._num_streams, self.stream_chunks_per_s)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
@@ -237,11 +236,11 @@ class AsyncEngine:
             sub.pending.add(out)
             if out.new_token_ids:
                 sub.token_stamps.append((len(out.new_token_ids), now_s))
-            if not (out.finished or (sub.stream and now_mono >= sub.next_send_s)):
+            if not (out.finished or (sub.stream and now_s >= sub.next_send_s)):
                 continue  # joins a later output
             delivery = _Delivery(sub.pending.take(), sub.token_stamps)
             sub.token_stamps = []
-            sub.next_send_s = now_mono + interval_s
+            sub.next_send_s = now_s + interval_s
             by_loop.setdefault(sub.loop, []).append((sub.queue, delivery))
         for loop, items in by_loop.items():
             try:
