@@ -377,8 +377,11 @@ def _tp_rank(rank: int, world: int, address: str, layers: int, results) -> None:
     destroy_distributed()
 
 
-def run_tp(world: int, layers: int) -> dict[tuple[int, int], float]:
-    """Decode steps of the slice over `world` GPUs (tensor parallel, NCCL), one process each."""
+def spawn_ranks(target, world: int, *args):
+    """`target(rank, world, store_address, *args, results)` in `world` processes (spawned, one
+    per GPU) -> what rank 0 put on `results`. Fails as soon as a rank dies."""
+    import queue
+
     import torch.multiprocessing as mp
 
     from parallel.distributed import open_store
@@ -387,30 +390,33 @@ def run_tp(world: int, layers: int) -> dict[tuple[int, int], float]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_tp_rank, args=(rank, world, address, layers, results))
+        ctx.Process(target=target, args=(rank, world, address, *args, results))
         for rank in range(world)
     ]
     for proc in procs:
         proc.start()
-    import queue
-
     while True:
         try:
-            times = results.get(timeout=5)
+            measured = results.get(timeout=5)
             break
         except queue.Empty:
             failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if failed:
                 for proc in procs:
                     proc.kill()
-                raise RuntimeError(f"a TP rank exited with {failed[0]}") from None
+                raise RuntimeError(f"a rank exited with {failed[0]}") from None
     # The measurement is in; a rank that then stalls tearing NCCL down (seen on the two-GPU
     # machine: the run hung after every rank had printed its last step) must not hang the table.
     for proc in procs:
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
-    return times
+    return measured
+
+
+def run_tp(world: int, layers: int) -> dict[tuple[int, int], float]:
+    """Decode steps of the slice over `world` GPUs (tensor parallel, NCCL), one process each."""
+    return spawn_ranks(_tp_rank, world, layers)
 
 
 def run_single(args, emit, bw: float) -> None:

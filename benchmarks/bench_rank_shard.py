@@ -408,35 +408,9 @@ def _collectives_rank(
 def measure_collectives(world: int, batches: tuple = BATCHES, reps: int = 20) -> dict:
     """The collectives of one decode step (and one MTP round) of the real model per rank, over
     `world` GPUs (one process each, NCCL), at TP=8's per-rank message sizes."""
-    import queue
+    from benchmarks.bench_decode import spawn_ranks
 
-    import torch.multiprocessing as mp
-
-    from parallel.distributed import open_store
-
-    address = open_store(world, 600)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_collectives_rank, args=(rank, world, address, batches, reps, results))
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    while True:
-        try:
-            measured = results.get(timeout=5)
-            break
-        except queue.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                for proc in procs:
-                    proc.kill()
-                raise RuntimeError(f"a rank exited with {failed[0]}") from None
-    for proc in procs:  # a rank that stalls tearing NCCL down must not hang the run
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
+    measured = spawn_ranks(_collectives_rank, world, batches, reps)
     config = shard_config(tiny=False)
     return {
         "world_size": world,
