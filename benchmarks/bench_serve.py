@@ -72,6 +72,8 @@ class LevelResult:
     texts: dict[int, str] = field(default_factory=dict)  # prompt index -> a completion's text
     mismatched_prompts: set[int] = field(default_factory=set)  # prompts with differing texts
     first_errors: list[str] = field(default_factory=list)
+    slowest_step_s: float | None = None  # offline: the longest `engine.step()` call
+    slowest_step_outputs: int = 0  # and how many requests it returned outputs for
 
     @property
     def tokens_per_s(self) -> float:
@@ -106,6 +108,8 @@ class LevelResult:
             "itl_p99_s": q(self.itl_s, 99),
             "latency_p50_s": q(self.latency_s, 50),
             "first_errors": self.first_errors,
+            "slowest_step_s": self.slowest_step_s,
+            "slowest_step_outputs": self.slowest_step_outputs,
         }
 
 
@@ -135,8 +139,12 @@ def run_offline(engine, prompts, concurrency: int, num_requests: int, max_tokens
             added_s[request_id] = time.perf_counter()
             engine.add_request(prompts[prompt_of[request_id]], params, request_id)
             result.num_requests += 1
+        step_started = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        if result.slowest_step_s is None or now - step_started > result.slowest_step_s:
+            result.slowest_step_s = now - step_started
+            result.slowest_step_outputs = len(outputs)
         for out in outputs:
             rid = out.request_id
             if out.new_token_ids:
@@ -511,7 +519,11 @@ def _offline_level(engine, prompts, c: int, repeat: int, args) -> LevelResult:
     n = num_requests_for(c, args.rounds, args.min_requests)
     row = run_offline(engine, prompts, c, n, args.max_tokens)
     row.repeat = repeat
-    print(f"  offline c={c}: {row.tokens_per_s:.0f} tok/s", flush=True)
+    print(
+        f"  offline c={c}: {row.tokens_per_s:.0f} tok/s, slowest step "
+        f"{_ms(row.slowest_step_s)} ms ({row.slowest_step_outputs} outputs)",
+        flush=True,
+    )
     return row
 
 
