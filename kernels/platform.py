@@ -127,3 +127,48 @@ def use_triton(device: torch.device) -> bool:
     kernel tests run each kernel against its twin, far too slow to serve a model through.
     """
     return HAS_TRITON and device.type == "cuda" and not force_reference()
+
+
+class LateCompileLog:
+    """After warm-up, every Triton kernel variant that still has to be compiled (or loaded from
+    the disk cache) is one log line naming the kernel and its specialization, with the time it
+    took: the step it lands in stalls for that long, so warm-up missed a shape it should cover.
+    `count` says how many there were. Installed by `watch_late_compiles`; hooks are per process."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self._started: dict[str, float] = {}
+
+    def before(self, *, key: Any, repr: str, fn: Any, **_: Any) -> bool:
+        import time
+
+        self._started[str(key)] = time.perf_counter()
+        return False  # False: go on and compile
+
+    def after(self, *, key: Any, repr: str, fn: Any, **_: Any) -> None:
+        import time
+
+        started = self._started.pop(str(key), None)
+        seconds = time.perf_counter() - started if started is not None else 0.0
+        self.count += 1
+        self.seconds += seconds
+        logger.warning(
+            "Triton kernel %s compiled after warm-up in %.0f ms (the step waited): %s",
+            getattr(fn, "name", fn),
+            seconds * 1e3,
+            repr,
+        )
+
+
+def watch_late_compiles() -> LateCompileLog | None:
+    """Log every Triton compile from now on in this process (`LateCompileLog`); None where
+    Triton compiles nothing (not installed, or its interpreter)."""
+    if not HAS_TRITON or triton_interpreter():
+        return None
+    from triton import knobs
+
+    log = LateCompileLog()
+    knobs.runtime.jit_cache_hook = log.before
+    knobs.runtime.jit_post_compile_hook = log.after
+    return log

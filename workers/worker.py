@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.platform import ensure_triton_cache_dir
+from kernels.platform import ensure_triton_cache_dir, watch_late_compiles
 from workers.batch import SeqWork, StepInput, StepOutput
 from workers.kv_cache import CacheFormat, cache_bytes_per_block, max_blocks_per_seq
 from workers.model_runner import ModelRunner
@@ -129,6 +129,7 @@ class Worker:
                 max_seq_slots,
             )
         self.num_kv_blocks = num_kv_blocks
+        self.late_compiles = None  # kernels.platform.LateCompileLog once warm (GPU)
         self.runner = ModelRunner(
             self.model,
             num_kv_blocks,
@@ -231,6 +232,7 @@ class Worker:
         self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.late_compiles = watch_late_compiles()
         return WarmUp(len(keys), time.perf_counter() - started)
 
     def _warm_up_prefill(self, num_draft_tokens: int, share_topk: bool) -> None:
