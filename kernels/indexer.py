@@ -432,9 +432,9 @@ def _bucket_write_kernel(
     logits_row_stride,
     out_row_stride,
     topk,
+    capacity,  # candidate slots per row: a plain argument, so a new table width is no compile
     CHUNK: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
-    CAPACITY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -456,8 +456,8 @@ def _bucket_write_kernel(
         slot = above_at + tl.cumsum(above.to(tl.int32), 0) - 1
         tl.store(out_ptr + token.to(tl.int64) * out_row_stride + slot, idx, mask=above)
         slot = inside_at + tl.cumsum(inside.to(tl.int32), 0) - 1
-        inside_listed = inside & (slot < CAPACITY)
-        tl.store(cand_ptr + token.to(tl.int64) * CAPACITY + slot, idx, mask=inside_listed)
+        inside_listed = inside & (slot < capacity)
+        tl.store(cand_ptr + token.to(tl.int64) * capacity + slot, idx, mask=inside_listed)
         # The bucket's next 8 bits, the select's second level.
         sub = (key >> (24 - HIST_BITS)) & 255
         hist2 = hist_ptr + token.to(tl.int64) * HIST_WIDTH + HIST_BINS
@@ -532,7 +532,7 @@ def _topk_select_kernel(
     logits_row_stride,
     out_row_stride,
     topk,
-    CAPACITY: tl.constexpr,
+    capacity,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -543,7 +543,7 @@ def _topk_select_kernel(
     n = tl.load(positions_ptr + token).to(tl.int32) + 1  # keys 0..n-1 are candidates
     row = logits_ptr + token.to(tl.int64) * logits_row_stride
     out_row = out_ptr + token.to(tl.int64) * out_row_stride
-    cand = cand_ptr + token.to(tl.int64) * CAPACITY
+    cand = cand_ptr + token.to(tl.int64) * capacity
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if n <= topk:
@@ -560,7 +560,7 @@ def _topk_select_kernel(
         digit, remaining, size = _pick_digit(tl.load(hist_row + bins), bins, topk)
         written = topk - remaining
         prefix = digit << (32 - HIST_BITS)
-        listed = size <= CAPACITY
+        listed = size <= capacity
         src_n = n
         if listed:
             # The second level's histogram came with the list: narrow the list to its digit.
@@ -646,7 +646,7 @@ def topk_select_triton(
         logits.stride(0),
         out.stride(0),
         topk,
-        CAPACITY=capacity,
+        capacity,
         **common,
     )
     launch(
@@ -661,11 +661,27 @@ def topk_select_triton(
         logits.stride(0),
         out.stride(0),
         topk,
-        CAPACITY=capacity,
+        capacity,
         BLOCK=_SELECT_BLOCK,
         num_warps=8,
     )
     return out
+
+
+def warm_up_topk_select(max_positions: int, topk: int, device: torch.device) -> int:
+    """Compile every variant of the select that rows of up to `max_positions` keys use, with one
+    dummy row each: its MAX_CHUNKS constexpr is the row's chunk count rounded up to a power of
+    two, so a context past each power of two of _SELECT_BLOCK keys would otherwise compile the
+    select in the step that first reaches it (2 s on the H200). Returns the variants run."""
+    max_chunks = triton.next_power_of_2(triton.cdiv(max_positions, _SELECT_BLOCK))
+    chunks = 1
+    while chunks <= max_chunks:
+        width = chunks * _SELECT_BLOCK
+        logits = torch.randn(1, width, dtype=torch.float32, device=device)
+        positions = torch.full((1,), width - 1, dtype=torch.int64, device=device)
+        topk_select_triton(logits, positions, min(topk, width))
+        chunks *= 2
+    return max_chunks.bit_length()
 
 
 def indexer_topk_triton(

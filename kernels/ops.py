@@ -23,7 +23,7 @@ from kernels.fp8 import fp8_linear_reference
 from kernels.fp8_cache import fp8_cache_write_reference, fp8_cache_write_triton, is_fp8_cache
 from kernels.fp8_gemm import W8A8_MIN_TOKENS, fp8_linear_w8a8_triton
 from kernels.fp8_linear import fp8_linear_triton
-from kernels.indexer import indexer_topk_reference, indexer_topk_triton
+from kernels.indexer import indexer_topk_reference, indexer_topk_triton, warm_up_topk_select
 from kernels.indexer_fp8 import hadamard_rotate_reference, indexer_fp8_reference
 from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
 from kernels.moe_experts import grouped_moe_deepgemm, grouped_moe_reference, grouped_moe_triton
@@ -161,6 +161,12 @@ def indexer_topk(
     return impl(q, weights, k_cache, block_tables, seq_idx, positions, topk, softmax_scale)
 
 
+def warm_up_indexer_topk(max_positions: int, topk: int, device: torch.device) -> int:
+    """Compile the top-k select's variants for contexts up to `max_positions` (Triton devices;
+    the twin has none): -> how many were run."""
+    return warm_up_topk_select(max_positions, topk, device) if use_triton(device) else 0
+
+
 def sparse_mla_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -239,6 +245,7 @@ __all__ = [
     "indexer_fp8",
     "hadamard_rotate",
     "indexer_topk",
+    "warm_up_indexer_topk",
     "sparse_mla_attention",
     "moe_route",
     "grouped_moe",

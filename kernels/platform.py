@@ -146,18 +146,28 @@ class LateCompileLog:
         self._started[str(key)] = time.perf_counter()
         return False  # False: go on and compile
 
-    def after(self, *, key: Any, repr: str, fn: Any, **_: Any) -> None:
+    def after(self, *, key: Any, repr: str, fn: Any, compile: dict, **_: Any) -> None:
         import time
 
         started = self._started.pop(str(key), None)
         seconds = time.perf_counter() - started if started is not None else 0.0
         self.count += 1
         self.seconds += seconds
+        # The specialization: constexpr values and the integer/pointer arguments Triton assumed
+        # divisible by 16 or equal to 1 (argument positions), which is what differs per variant.
+        signature = list(compile.get("signature", {}))
+        constants = {
+            signature[path[0]] if path and path[0] < len(signature) else str(path): value
+            for path, value in compile.get("constants", {}).items()
+            if not str(value).startswith("<")  # constexpr functions and dtypes: not per variant
+        }
         logger.warning(
-            "Triton kernel %s compiled after warm-up in %.0f ms (the step waited): %s",
+            "Triton kernel %s compiled after warm-up in %.0f ms (the step waited); "
+            "constants %s, argument attributes %s",
             getattr(fn, "name", fn),
             seconds * 1e3,
-            repr,
+            constants,
+            compile.get("configs"),
         )
 
 

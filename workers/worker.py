@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.ops import warm_up_indexer_topk
 from kernels.platform import ensure_triton_cache_dir, watch_late_compiles
 from workers.batch import SeqWork, StepInput, StepOutput
 from workers.kv_cache import CacheFormat, cache_bytes_per_block, max_blocks_per_seq
@@ -59,9 +60,20 @@ class WorkerSpec:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (the MLA latent cache)
 
 
-# Prompt lengths of the dummy prefills the warm-up runs on a GPU: Triton specializes integer
-# arguments on divisibility by 16, so one of each kind.
-WARM_UP_PREFILL_LENGTHS = (16, 17)
+def warm_up_prefill_lengths(block_size_tokens: int, on_gpu: bool) -> tuple[int, ...]:
+    """Prompt lengths of the warm-up's dummy prefills. Everywhere 16 and 17 tokens (on CPU that
+    builds the first shapes' matmul primitives). On a GPU every Triton variant the eager path can
+    pick must compile here, not in a served step (measured on the H200 before this: steps of 0.3
+    to 3.4 s at 128 concurrent, one per kernel variant first met): Triton specializes integer
+    arguments (16 or 17 tokens; a block table 1 block wide, 2 blocks, 16 blocks: strides == 1,
+    neither, divisible by 16) and the launchers pick tiles by rows (the grouped MoE's prefill
+    tiles past 256 token-expert pairs, the FP8 linears' by row count up to 2048)."""
+    lengths = (16, 17)
+    if on_gpu:
+        lengths += (block_size_tokens + 17, 16 * block_size_tokens)
+    return lengths
+
+
 WARM_UP_REQUEST_ID = "__warm_up__"
 
 
@@ -129,6 +141,7 @@ class Worker:
                 max_seq_slots,
             )
         self.num_kv_blocks = num_kv_blocks
+        self.max_seq_slots = max_seq_slots
         self.late_compiles = None  # kernels.platform.LateCompileLog once warm (GPU)
         self.runner = ModelRunner(
             self.model,
@@ -230,18 +243,20 @@ class Worker:
             elif kind == "propose" and key not in propose.graphs:
                 propose._capture(*key)
         self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
+        warm_up_indexer_topk(self.max_seq_slots, self.config.index_topk, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.late_compiles = watch_late_compiles()
         return WarmUp(len(keys), time.perf_counter() - started)
 
     def _warm_up_prefill(self, num_draft_tokens: int, share_topk: bool) -> None:
-        """Prefill one dummy prompt of each WARM_UP_PREFILL_LENGTHS length and decode one token
+        """Prefill one dummy prompt of each `warm_up_prefill_lengths` length and decode one token
         after it (with MTP: a verify step, and a proposal after each), so that the first request
         does not compile or load the eager path's kernels (GPU) or build the matmul primitives of
         its shapes (CPU). Its KV goes to blocks after the null block that no request holds yet;
         the runner then forgets the dummy request."""
-        for num_tokens in WARM_UP_PREFILL_LENGTHS:
+        on_gpu = self.device.type == "cuda"
+        for num_tokens in warm_up_prefill_lengths(self.runner.block_size, on_gpu):
             num_blocks = -(-(num_tokens + 1 + num_draft_tokens) // self.runner.block_size)
             if num_blocks + 1 > self.num_kv_blocks:
                 continue

@@ -128,3 +128,20 @@ def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path):
     plain, _ = _tokens(fp8_dir, prompts, dtype="bfloat16")
     mtp, _ = _tokens(fp8_dir, prompts, dtype="bfloat16", num_draft_tokens=3)
     assert mtp == plain
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_gpu_nothing_compiles_after_warm_up(tiny_model_dir, k):
+    """Warm before ready: prompts from 1 token to past two of the select's chunks of keys (so
+    block tables 1, 2, 16 and more blocks wide, prefills above every tile threshold), 1 to 64 at
+    once, in one engine after its warm-up: no Triton kernel compiles (or loads) in a step."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [1, 2, 15, 16, 17, 63, 64, 65, 100, 129, 700, 1023, 1024, 1500, 2100, 3900]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+    llm = LLM(tiny_model_dir, device="cuda", num_draft_tokens=k, max_num_seqs=64)
+    late = llm.engine.executor.worker.late_compiles
+    assert late is not None and late.count == 0
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for batch in (prompts[:1], prompts, prompts * 4):
+        llm.generate(batch, params)
+    assert late.count == 0, f"{late.count} kernel variants compiled after warm-up (see the log)"

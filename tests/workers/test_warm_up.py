@@ -8,11 +8,11 @@ import pytest
 from kernels.settings import reload_settings
 from workers.batch import SeqWork, StepInput
 from workers.worker import (
-    WARM_UP_PREFILL_LENGTHS,
     WARM_UP_REQUEST_ID,
     WarmUp,
     Worker,
     warm_up_keys,
+    warm_up_prefill_lengths,
 )
 
 
@@ -102,7 +102,8 @@ def test_prefill_warm_up_runs_each_length_and_leaves_no_trace(worker):
     finally:
         del worker.runner.execute
     # Per length: the prefill, then a verify of the sampled token and its 2 drafts.
-    expected = [[step] for n in WARM_UP_PREFILL_LENGTHS for step in ((n, True, 2), (3, True, 2))]
+    lengths = warm_up_prefill_lengths(worker.runner.block_size, on_gpu=False)
+    expected = [[step] for n in lengths for step in ((n, True, 2), (3, True, 2))]
     assert [entry for entry in seen if entry] == expected
     assert WARM_UP_REQUEST_ID not in worker.runner.states
     assert WARM_UP_REQUEST_ID not in worker.runner.proposer.pending
