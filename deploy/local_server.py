@@ -134,9 +134,13 @@ def shutdown() -> None:
     import ray
     from ray import serve
 
+    from ray.serve.exceptions import RayServeException
+
     try:
         if ray.is_initialized():  # else interrupted before Ray was up (serve.* would start it)
             serve.delete(APP_NAME)
+    except RayServeException:
+        pass  # Serve never started (interrupted first, or nothing was deployed): nothing to delete
     finally:
         ray.shutdown()  # also stops the processes of a local Ray interrupted while starting
 
