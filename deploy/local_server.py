@@ -133,7 +133,6 @@ def shutdown() -> None:
     apps."""
     import ray
     from ray import serve
-
     from ray.serve.exceptions import RayServeException
 
     try:
