@@ -130,7 +130,12 @@ def _add_to_histogram(hist_row, logits, mask):
     tl.atomic_add(hist_row + digit, mask.to(tl.int32), mask=mask, sem="relaxed")
 
 
-@triton.jit
+# Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
+# shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
+@triton.jit(
+    do_not_specialize=["block_tables_row_stride"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_idx_ptr", "positions_ptr"],
+)
 def _indexer_logits_kernel(
     q_ptr,
     weights_ptr,
@@ -394,7 +399,9 @@ def _chunk_buckets(hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk,
     return idx, key, valid & (bucket > digit), valid & (bucket == digit)
 
 
-@triton.jit
+# Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
+# shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _bucket_count_kernel(
     hist_ptr,
     logits_ptr,
@@ -421,7 +428,9 @@ def _bucket_count_kernel(
         tl.store(counts + 1, tl.sum(inside.to(tl.int32), 0))
 
 
-@triton.jit
+# Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
+# shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _bucket_write_kernel(
     hist_ptr,
     logits_ptr,
@@ -522,7 +531,9 @@ def _refine(
     return prefix | (digit << LO), remaining
 
 
-@triton.jit
+# Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
+# shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _topk_select_kernel(
     logits_ptr,
     hist_ptr,

@@ -30,7 +30,11 @@ MAX_TOKENS = 32
 _BLOCK_N = 1  # one weight row a program: 256 programs for the router, 64 for the indexer
 
 
-@triton.jit
+# Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
+# shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
+@triton.jit(
+    do_not_specialize=["x_row_stride", "num_tokens"], do_not_specialize_on_alignment=["x_ptr"]
+)
 def _linear_fp32_kernel(
     x_ptr,
     w_ptr,
@@ -106,3 +110,11 @@ def linear_fp32_triton(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0
             num_warps=4,
         )
     return out
+
+
+def warm_up_linear_fp32(device: torch.device) -> None:
+    """Compile the kernel's variants (BLOCK_T and BLOCK_K follow the row count) for every row
+    count it takes; sizes and strides are not specialized on, so a small dummy weight does."""
+    weight = torch.zeros(16, 128, dtype=torch.float32, device=device)
+    for num_tokens in range(1, MAX_TOKENS + 1):
+        linear_fp32_triton(torch.zeros(num_tokens, 128, device=device), weight)

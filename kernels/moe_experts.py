@@ -158,7 +158,12 @@ def grouped_layout(
     return GroupedLayout(sorted_pairs[:num_rows], block_expert.to(torch.int32), block_m)
 
 
-@triton.jit
+# Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
+# shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
+@triton.jit(
+    do_not_specialize=["num_pairs", "num_local_experts", "first_expert", "num_rows", "num_blocks"],
+    do_not_specialize_on_alignment=["ids_ptr"],
+)
 def _grouped_layout_kernel(
     ids_ptr,
     sorted_pairs_ptr,
@@ -214,6 +219,15 @@ def _grouped_layout_kernel(
     tl.store(sorted_pairs_ptr + start + rank, pairs, mask=held)
     blocks = tl.arange(0, BLOCK_NB)
     tl.store(block_expert_ptr + blocks, block_expert - 1, mask=blocks < num_blocks)
+
+
+def warm_up_grouped_layout(num_local_experts: int, block_m: int, device: torch.device) -> None:
+    """Compile every variant of the layout kernel (its BLOCK_P and BLOCK_NB follow the pair count)
+    with a dummy launch per pair count up to DECODE_MAX_PAIRS: eager steps of any size then find
+    them compiled (CUDA-graph capture meets only the graphed batches' counts)."""
+    for num_pairs in range(1, DECODE_MAX_PAIRS + 1):
+        ids = torch.randint(0, num_local_experts, (num_pairs,), device=device, dtype=torch.int32)
+        grouped_layout_triton(ids, num_local_experts, 0, block_m)
 
 
 def grouped_layout_triton(

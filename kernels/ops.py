@@ -25,8 +25,14 @@ from kernels.fp8_gemm import W8A8_MIN_TOKENS, fp8_linear_w8a8_triton
 from kernels.fp8_linear import fp8_linear_triton
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton, warm_up_topk_select
 from kernels.indexer_fp8 import hadamard_rotate_reference, indexer_fp8_reference
-from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
-from kernels.moe_experts import grouped_moe_deepgemm, grouped_moe_reference, grouped_moe_triton
+from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton, warm_up_linear_fp32
+from kernels.moe_experts import DECODE_CONFIG as MOE_DECODE_CONFIG
+from kernels.moe_experts import (
+    grouped_moe_deepgemm,
+    grouped_moe_reference,
+    grouped_moe_triton,
+    warm_up_grouped_layout,
+)
 from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.platform import fp8_tensor_cores, use_triton
 from kernels.rmsnorm import (
@@ -161,10 +167,19 @@ def indexer_topk(
     return impl(q, weights, k_cache, block_tables, seq_idx, positions, topk, softmax_scale)
 
 
-def warm_up_indexer_topk(max_positions: int, topk: int, device: torch.device) -> int:
-    """Compile the top-k select's variants for contexts up to `max_positions` (Triton devices;
-    the twin has none): -> how many were run."""
-    return warm_up_topk_select(max_positions, topk, device) if use_triton(device) else 0
+def warm_up_eager_kernels(
+    device: torch.device, max_positions: int, index_topk: int, num_local_experts: int
+) -> None:
+    """Compile the variants that an eager step's sizes pick (Triton devices; the twins have none)
+    and that neither the graph captures nor the warm-up's dummy prefills are sure to meet: the
+    top-k select per power of two of chunks up to `max_positions` keys, the grouped layout per
+    pair count, the fp32 linear per row count."""
+    if not use_triton(device):
+        return
+    warm_up_topk_select(max_positions, index_topk, device)
+    if num_local_experts:
+        warm_up_grouped_layout(num_local_experts, MOE_DECODE_CONFIG.block_m, device)
+    warm_up_linear_fp32(device)
 
 
 def sparse_mla_attention(
@@ -245,7 +260,7 @@ __all__ = [
     "indexer_fp8",
     "hadamard_rotate",
     "indexer_topk",
-    "warm_up_indexer_topk",
+    "warm_up_eager_kernels",
     "sparse_mla_attention",
     "moe_route",
     "grouped_moe",

@@ -76,7 +76,12 @@ _MLA_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _MLA_NUM_WARPS = 8
 
 
-@triton.jit
+# Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
+# shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
+@triton.jit(
+    do_not_specialize=["block_tables_row_stride"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_idx_ptr", "topk_ptr"],
+)
 def _sparse_mla_split_kernel(
     q_ptr,
     cache_ptr,

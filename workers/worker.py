@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ops import warm_up_indexer_topk
+from kernels.ops import warm_up_eager_kernels
 from kernels.platform import ensure_triton_cache_dir, watch_late_compiles
 from workers.batch import SeqWork, StepInput, StepOutput
 from workers.kv_cache import CacheFormat, cache_bytes_per_block, max_blocks_per_seq
+from workers.model import Experts
 from workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,13 @@ class Worker:
             elif kind == "propose" and key not in propose.graphs:
                 propose._capture(*key)
         self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
-        warm_up_indexer_topk(self.max_seq_slots, self.config.index_topk, self.device)
+        experts = next((m for m in self.model.modules() if isinstance(m, Experts)), None)
+        warm_up_eager_kernels(
+            self.device,
+            self.max_seq_slots,
+            self.config.index_topk,
+            experts.num_local if experts is not None else 0,
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.late_compiles = watch_late_compiles()
