@@ -32,7 +32,7 @@ from kernels.platform import tl, triton, triton_interpreter
 
 # block_k is the scale block (one promotion per 128 of K); block_n a multiple of it, so the
 # gate/up epilogue quantizes whole groups. A starting point, not yet tuned on the H200:
-# `benchmarks/bench_moe_fp8.py --sweep` times the alternatives.
+# `benchmarks/bench_fp8_linear.py --moe --sweep` times the alternatives.
 W8A8_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
