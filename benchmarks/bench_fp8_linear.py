@@ -10,6 +10,14 @@ prints the best per (projection, M), then dict literals to paste into kernels/fp
 (W8A16_CONFIGS) and kernels/fp8_gemm.py (W8A8_CONFIGS, W8A8_MIN_TOKENS): per M the config with the
 smallest geometric mean over the projections of its time / that projection's best time.
 Every time is a CUDA graph of back-to-back calls replayed (launch overhead excluded).
+
+--moe: the routed experts of one DeepSeek-V3.2 MoE layer (256 FP8 experts, hidden 7168,
+intermediate 2048, top-8 of random router logits) at 512 / 2048 / 8192 tokens: w8a16
+(kernels/moe_experts.py) against w8a8 (kernels/moe_experts_w8a8.py, its act_quant included), with
+the layer's floor: the FP8 bytes of the experts hit plus x and the output at the copy bandwidth,
+and its FLOPs at the FP8 and bf16 dense GEMM rates measured here (torch._scaled_mm, matmul).
+--moe --sweep: tile configs of the w8a8 grouped kernels per token count, then the one nearest
+every count's best (geometric mean), as a literal for W8A8_CONFIG.
 """
 
 from __future__ import annotations
@@ -22,9 +30,12 @@ from functools import partial
 import torch
 
 from benchmarks.bench_kernels import copy_bandwidth_gbs
-from kernels.fp8 import quantize_fp8_reference
+from kernels.fp8 import FP8_DTYPE, quantize_fp8_reference, scale_grid
 from kernels.fp8_gemm import fp8_linear_w8a8_triton
 from kernels.fp8_linear import Fp8TileConfig, fp8_linear_triton
+from kernels.moe_experts import GroupedGemmConfig, grouped_moe_triton
+from kernels.moe_experts_w8a8 import grouped_moe_w8a8_triton
+from kernels.moe_routing import moe_route_triton
 
 SHAPES = {
     "q_a 1536x7168": (1536, 7168),
@@ -131,13 +142,18 @@ def table(shapes: dict, tokens: list[int], bw: float) -> None:
 
 def _geomean_best(results: dict, kernel: str, t: int, shapes: dict):
     """The config whose time / best time, geometric mean over the shapes, is smallest."""
+    return _nearest_every_best([results[(name, t)][kernel] for name in shapes])
+
+
+def _nearest_every_best(runs: list[dict]):
+    """Over runs of {config: time}: the config whose time / that run's best time, geometric
+    mean over the runs it completed all of, is smallest."""
     scores: dict = {}
-    for name in shapes:
-        timings = results[(name, t)][kernel]
+    for timings in runs:
         best = min(timings.values())
         for config, us in timings.items():
             scores.setdefault(config, []).append(math.log(us / best))
-    complete = {c: s for c, s in scores.items() if len(s) == len(shapes)}
+    complete = {c: s for c, s in scores.items() if len(s) == len(runs)}
     return min(complete, key=lambda c: sum(complete[c]))
 
 
@@ -210,6 +226,127 @@ def sweep(shapes: dict, tokens: list[int], bw: float) -> None:
         print(f"W8A8_MIN_TOKENS = {min_tokens}  # from here on w8a8's sum stays below w8a16's")
 
 
+# DeepSeek-V3.2's routed experts: hidden, intermediate, experts, top-k, groups, groups kept.
+MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MOE_TOP_K, MOE_GROUPS, MOE_TOPK_GROUPS = (
+    7168,
+    2048,
+    256,
+    8,
+    8,
+    4,
+)
+MOE_TOKENS = (512, 2048, 8192)
+
+
+def moe_experts(num_experts: int = MOE_EXPERTS) -> tuple[torch.Tensor, ...]:
+    """Random FP8 experts (w13, w2, w13_scale, w2_scale), an expert at a time (11.3 GB)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter = MOE_HIDDEN, MOE_INTER
+    w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE, device="cuda")
+    w2 = torch.empty(num_experts, hidden, inter, dtype=FP8_DTYPE, device="cuda")
+    for e in range(num_experts):
+        w13[e] = (torch.randn(w13.shape[1:], generator=gen, device="cuda") * 64).to(FP8_DTYPE)
+        w2[e] = (torch.randn(w2.shape[1:], generator=gen, device="cuda") * 64).to(FP8_DTYPE)
+    grid_13, grid_2 = scale_grid(inter, hidden), scale_grid(hidden, inter)
+    w13_scale = torch.rand(num_experts, 2, *grid_13, generator=gen, device="cuda") * 3e-4 + 1e-4
+    w2_scale = torch.rand(num_experts, *grid_2, generator=gen, device="cuda") * 3e-4 + 1e-4
+    return w13, w2, w13_scale, w2_scale
+
+
+def moe_step(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [T, hidden] bf16, topk_weights, topk_ids) of a step routed by random logits."""
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, MOE_HIDDEN, generator=gen, device="cuda").bfloat16()
+    logits = torch.randn(num_tokens, MOE_EXPERTS, generator=gen, device="cuda")
+    bias = torch.zeros(MOE_EXPERTS, device="cuda")
+    weights, ids = moe_route_triton(logits, bias, MOE_GROUPS, MOE_TOPK_GROUPS, MOE_TOP_K, True, 2.5)
+    return x, weights, ids
+
+
+def dense_tflops() -> tuple[float, float]:
+    """(FP8, bf16) dense GEMM rates measured here on 8192^3: torch._scaled_mm (per-tensor
+    scales, bf16 out) and torch.matmul."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda")
+    a8, b8 = a.to(torch.float8_e4m3fn), a.t().contiguous().to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    fp8_us = graph_us(
+        partial(torch._scaled_mm, a8, b8, one, one, out_dtype=torch.bfloat16), reps=20
+    )
+    bf16_us = graph_us(partial(torch.matmul, a.bfloat16(), a.bfloat16()), reps=20)
+    flops = 2 * n**3
+    return flops / fp8_us / 1e6, flops / bf16_us / 1e6
+
+
+def moe_table(tokens: list[int], bw: float) -> None:
+    """w8a16 vs w8a8 for one MoE layer's routed experts, and the layer's floors."""
+    fp8_tflops, bf16_tflops = dense_tflops()
+    print(f"dense GEMM 8192^3: FP8 {fp8_tflops:.0f} TFLOP/s, bf16 {bf16_tflops:.0f} TFLOP/s\n")
+    w13, w2, w13_scale, w2_scale = moe_experts()
+    expert_bytes = 3 * MOE_INTER * MOE_HIDDEN + (w13_scale[0].numel() + w2_scale[0].numel()) * 4
+    print(
+        "| tokens | experts hit | w8a16 ms | w8a8 ms | w8a8 speed-up | HBM floor ms "
+        "| FP8 FLOP floor ms | bf16 FLOP floor ms | w8a8 x floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for t in tokens:
+        x, weights, ids = moe_step(t)
+        args = (x, w13, w2, weights, ids, 0, w13_scale, w2_scale)
+        w8a16 = graph_us(partial(grouped_moe_triton, *args)) / 1e3
+        w8a8 = graph_us(partial(grouped_moe_w8a8_triton, *args)) / 1e3
+        hit = int(ids.unique().numel())
+        hbm = (hit * expert_bytes + 2 * x.numel() * 2) / bw * 1e3
+        flops = ids.numel() * 3 * MOE_INTER * MOE_HIDDEN * 2
+        fp8_floor, bf16_floor = flops / fp8_tflops / 1e9, flops / bf16_tflops / 1e9
+        print(
+            f"| {t} | {hit} | {w8a16:.3f} | {w8a8:.3f} | {w8a16 / w8a8:.2f}x | {hbm:.3f} "
+            f"| {fp8_floor:.3f} | {bf16_floor:.3f} | {w8a8 / max(hbm, fp8_floor):.2f} |",
+            flush=True,
+        )
+
+
+def moe_w8a8_candidates() -> list[GroupedGemmConfig]:
+    return [
+        GroupedGemmConfig(block_m, block_n, 128, warps, stages)
+        for block_m, block_n, (warps, stages) in itertools.product(
+            (32, 64, 128), (128, 256), ((4, 3), (4, 4), (8, 3), (8, 4))
+        )
+    ]
+
+
+def moe_sweep(tokens: list[int]) -> None:
+    """The w8a8 grouped kernels over `moe_w8a8_candidates` at each token count."""
+    w13, w2, w13_scale, w2_scale = moe_experts()
+    runs: list[dict] = []  # per token count {config: us}
+    print("| tokens | w8a16 ms (shipped) | best w8a8 ms | config | shipped w8a8 ms |")
+    print("|---|---|---|---|---|")
+    for t in tokens:
+        x, weights, ids = moe_step(t)
+        args = (x, w13, w2, weights, ids, 0, w13_scale, w2_scale)
+        timings: dict = {}
+        for config in moe_w8a8_candidates():
+            try:
+                timings[config] = graph_us(partial(grouped_moe_w8a8_triton, *args, config=config))
+            except Exception as error:  # OutOfResources and friends: not this config
+                print(f"  skipped {_short_grouped(config)}: {type(error).__name__}")
+        runs.append(timings)
+        best = min(timings, key=timings.get)
+        w8a16 = graph_us(partial(grouped_moe_triton, *args))
+        shipped = graph_us(partial(grouped_moe_w8a8_triton, *args))
+        print(
+            f"| {t} | {w8a16 / 1e3:.3f} | {timings[best] / 1e3:.3f} | {_short_grouped(best)} "
+            f"| {shipped / 1e3:.3f} |",
+            flush=True,
+        )
+    pick = _nearest_every_best(runs)
+    print("\n# kernels/moe_experts_w8a8.py: nearest every token count's best (geometric mean)")
+    print(f"W8A8_CONFIG = {pick!r}")
+
+
+def _short_grouped(config: GroupedGemmConfig) -> str:
+    return f"m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages}"
+
+
 def _short(config) -> str:
     return (
         f"m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages} "
@@ -221,6 +358,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
     ap.add_argument("--sweep", action="store_true", help="tile configs per (projection, M)")
+    ap.add_argument("--moe", action="store_true", help="one MoE layer's FP8 experts instead")
     ap.add_argument(
         "--shapes", nargs="+", default=None, help="projection name prefixes, e.g. q_a o_proj"
     )
@@ -232,7 +370,11 @@ def main() -> None:
     }
     bw = copy_bandwidth_gbs() * 1e9  # bytes/s, the same measure as bench_decode's floor
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
-    if args.sweep:
+    if args.moe and args.sweep:
+        moe_sweep(args.tokens or list(MOE_TOKENS))
+    elif args.moe:
+        moe_table(args.tokens or list(MOE_TOKENS), bw)
+    elif args.sweep:
         sweep(shapes, args.tokens or list(SWEEP_TOKENS), bw)
     else:
         table(shapes, args.tokens or [1, 8, 64, 2048], bw)

@@ -23,6 +23,17 @@ GROUPS_PER_PROGRAM = 8
 
 
 @triton.jit
+def quantize_groups(x, FP8_MAX_VALUE: tl.constexpr):
+    """x [R, 128] fp32, one group per row -> (q [R, 128] fp32 on the e4m3 grid, scale [R]): the
+    act_quant math, shared by this file's kernel and the epilogues that quantize their output
+    (kernels/moe_experts_w8a8.py)."""
+    amax = tl.max(tl.abs(x), axis=1)  # [R]
+    fp8_max = tl.full(amax.shape, FP8_MAX_VALUE, tl.float32)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, fp8_max), 1.0)  # [R]
+    return _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))), scale
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr,
     q_ptr,
@@ -45,10 +56,7 @@ def _act_quant_kernel(
     x = tl.load(x_ptr + token * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    amax = tl.max(tl.abs(x), axis=1)  # [GROUPS]
-    fp8_max = tl.full([GROUPS], FP8_MAX_VALUE, tl.float32)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, fp8_max), 1.0)  # [GROUPS]
-    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [GROUPS, GROUP])))
+    q, scale = quantize_groups(x, FP8_MAX_VALUE)
     tl.store(q_ptr + token * q_row_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + token * num_groups + groups, scale, mask=groups < num_groups)
 

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.deepgemm import DeepGemmBackend
-from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_reference, scale_grid
+from kernels.fp8 import (
+    FP8_BLOCK,
+    FP8_DTYPE,
+    dequantize_activations_reference,
+    dequantize_fp8_reference,
+    quantize_activations_reference,
+    scale_grid,
+)
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
 from kernels.platform import tl, triton
 
@@ -61,6 +69,28 @@ def dequantize_expert_reference(
     return torch.cat([gate, up]).to(dtype), down.to(dtype)
 
 
+def _sum_over_experts(
+    x: torch.Tensor,
+    num_local_experts: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    expert_forward: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_forward(ids[t, k], token rows) over the experts held
+    here, in fp32, rounded once to x's dtype. expert_forward(e, token [n]) -> [n, hidden] in x's
+    dtype (the expert's output as its GEMM rounds it)."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    local_ids = topk_ids.long() - first_expert
+    for e in local_ids.unique().tolist():
+        if e < 0 or e >= num_local_experts:
+            continue
+        token, slot = (local_ids == e).nonzero(as_tuple=True)
+        y = expert_forward(e, token).float() * topk_weights[token, slot, None].float()
+        out.index_add_(0, token, y)
+    return out.to(x.dtype)
+
+
 def grouped_moe_reference(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -81,20 +111,44 @@ def grouped_moe_reference(
     dequantized exactly and rounded to x's dtype, then the same math as without scales.
     """
     fp8 = check_fp8_scales(w13, w2, w13_scale, w2_scale)
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
-    local_ids = topk_ids.long() - first_expert
-    for e in local_ids.unique().tolist():
-        if e < 0 or e >= w13.shape[0]:
-            continue
+
+    def expert_forward(e: int, token: torch.Tensor) -> torch.Tensor:
         if fp8:
             w13_e, w2_e = dequantize_expert_reference(w13, w2, w13_scale, w2_scale, e, x.dtype)
         else:
             w13_e, w2_e = w13[e], w2[e]
-        token, slot = (local_ids == e).nonzero(as_tuple=True)
-        h = silu_and_mul_reference(x[token] @ w13_e.t())
-        y = (h @ w2_e.t()).float() * topk_weights[token, slot, None].float()
-        out.index_add_(0, token, y)
-    return out.to(x.dtype)
+        return silu_and_mul_reference(x[token] @ w13_e.t()) @ w2_e.t()
+
+    return _sum_over_experts(x, w13.shape[0], topk_weights, topk_ids, first_expert, expert_forward)
+
+
+def grouped_moe_w8a8_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+) -> torch.Tensor:
+    """FP8 experts as DeepSeek's reference inference runs them (w8a8), the twin of
+    kernels/moe_experts_w8a8.py: x quantized per token in 1x128 groups (act_quant); per expert,
+    the dequantized x times the exactly dequantized [gate | up] in fp32, rounded to x's dtype;
+    silu(gate) * up in x's dtype; that quantized per token in 1x128 groups; dequantized, times
+    the dequantized w2 in fp32, rounded to x's dtype; then the routing weights as
+    `grouped_moe_reference`. Shapes and scales as there (the scales are required)."""
+    if not check_fp8_scales(w13, w2, w13_scale, w2_scale):
+        raise ValueError("w8a8 experts need w13_scale and w2_scale")
+    x_fp8 = dequantize_activations_reference(*quantize_activations_reference(x))  # [T, H] fp32
+
+    def expert_forward(e: int, token: torch.Tensor) -> torch.Tensor:
+        w13_e, w2_e = dequantize_expert_reference(w13, w2, w13_scale, w2_scale, e, torch.float32)
+        h = silu_and_mul_reference((x_fp8[token] @ w13_e.t()).to(x.dtype))  # [n, I]
+        h_fp8 = dequantize_activations_reference(*quantize_activations_reference(h))
+        return (h_fp8 @ w2_e.t()).to(x.dtype)
+
+    return _sum_over_experts(x, w13.shape[0], topk_weights, topk_ids, first_expert, expert_forward)
 
 
 # --- Triton ---------------------------------------------------------------------------------------

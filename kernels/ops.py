@@ -33,6 +33,7 @@ from kernels.moe_experts import (
     grouped_moe_triton,
     warm_up_grouped_layout,
 )
+from kernels.moe_experts_w8a8 import grouped_moe_w8a8_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.platform import fp8_tensor_cores, use_triton
 from kernels.rmsnorm import (
@@ -77,7 +78,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
 
 
 def use_fp8_w8a8(x: torch.Tensor) -> bool:
-    """Whether an FP8 matmul of these activations quantizes them to FP8 (see `fp8_linear`)."""
+    """Whether an FP8 matmul of these activations quantizes them to FP8: the one rule of the
+    linears (`fp8_linear`) and the routed experts (`grouped_moe`), x [tokens, ...] the step's."""
     return (
         x.dtype in (torch.bfloat16, torch.float16)
         and x.shape[0] >= W8A8_MIN_TOKENS
@@ -226,15 +228,26 @@ def grouped_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed experts; FP8 experts (e4m3, 128x128 block scales) when the scales are given."""
+    """Routed experts; FP8 experts (e4m3, 128x128 block scales) when the scales are given.
+
+    FP8 experts take the w8a8 kernels (x and the intermediate quantized per token in 1x128
+    groups, both GEMMs on FP8 tensor cores; twin `grouped_moe_w8a8_reference`) where
+    `use_fp8_w8a8` says so, as the FP8 linears do: opt-in, steps of W8A8_MIN_TOKENS tokens or
+    more (with top-8, past the decode-sized DECODE_MAX_PAIRS); else weights dequantized in
+    registers against x's dtype (w8a16).
+    """
     fp8 = w13_scale is not None or w2_scale is not None
     if not use_triton(x.device):
         return grouped_moe_reference(
             x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale
         )
+    if fp8 and use_fp8_w8a8(x):
+        return grouped_moe_w8a8_triton(
+            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale
+        )
     # FP8 experts skip DeepGEMM: its FP8 grouped GEMMs take FP8 activations with per-token 1x128
     # scales in its own TMA-aligned (on Blackwell packed UE8M0) layout, and one scale grid over
-    # [gate | up] where we keep one per part; our Triton kernels dequantize in registers instead.
+    # [gate | up] where we keep one per part; our Triton kernels take our layout.
     if not fp8 and deepgemm.use_deepgemm(x):
         return grouped_moe_deepgemm(
             x, w13, w2, topk_weights, topk_ids, first_expert, deepgemm.backend

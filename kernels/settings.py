@@ -2,9 +2,10 @@
 
 - `MTPSERVE_DISABLE_PDL=1` (`disable_pdl`): no programmatic dependent launch anywhere;
 - `MTPSERVE_FORCE_REFERENCE=1` (`force_reference`): every op runs its pure-torch twin;
-- `MTPSERVE_FP8_W8A8=1` (`fp8_w8a8`): FP8 linears quantize bf16 / fp16 activations to FP8
-  per token and 128 columns in steps of `W8A8_MIN_TOKENS` tokens or more (faster prefill; a
-  step's numerics then depend on its size: see kernels/fp8_gemm.py). Off: the w8a16 kernel;
+- `MTPSERVE_FP8_W8A8=1` (`fp8_w8a8`): FP8 linears and FP8 routed experts quantize bf16 / fp16
+  activations to FP8 per token and 128 columns in steps of `W8A8_MIN_TOKENS` tokens or more
+  (faster prefill; a step's numerics then depend on its size: see kernels/fp8_gemm.py). Off: the
+  w8a16 kernels;
 - `TRITON_INTERPRET=1` (`triton_interpret`): Triton's interpreter runs the kernels (no PDL);
 - `TRITON_CACHE_DIR` (`triton_cache_dir`): where compiled kernels go (unset: under
   `cache_home`, `kernels.platform.ensure_triton_cache_dir`);

@@ -34,9 +34,14 @@ TOLERANCES = {
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, scale: float = 1.0) -> None:
-    """Compare in fp32 with the tolerance of `expected`'s dtype (times `scale`)."""
-    atol, rtol = TOLERANCES[expected.dtype]
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    scale: float = 1.0,
+    tolerances: dict[torch.dtype, tuple[float, float]] = TOLERANCES,
+) -> None:
+    """Compare in fp32 with the tolerance of `expected`'s dtype in `tolerances` (times `scale`)."""
+    atol, rtol = tolerances[expected.dtype]
     atol *= max(1.0, expected.float().abs().max().item()) if expected.numel() else 1.0
     assert actual.dtype == expected.dtype
     assert actual.shape == expected.shape

@@ -1,5 +1,6 @@
-"""GPU: FP8 routed experts at DeepSeek-V3.2's real shapes against the twin, and PDL on vs off
-inside CUDA graphs over 1,000 replays. Run on the H200 with `pytest -m gpu tests/kernels`."""
+"""GPU: FP8 routed experts at DeepSeek-V3.2's real shapes against the twins (w8a16, and w8a8 with
+FP8 activations), and PDL on vs off inside CUDA graphs over 1,000 replays. Run on the H200 with
+`pytest -m gpu tests/kernels`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ import torch
 
 from kernels import ops
 from kernels.fp8 import FP8_DTYPE, scale_grid
-from kernels.moe_experts import grouped_moe_reference, grouped_moe_triton
+from kernels.fp8_gemm import W8A8_MIN_TOKENS
+from kernels.moe_experts import (
+    grouped_moe_reference,
+    grouped_moe_triton,
+    grouped_moe_w8a8_reference,
+)
+from kernels.moe_experts_w8a8 import grouped_moe_w8a8_triton
 from kernels.moe_routing import moe_route_triton
 from kernels.platform import pdl_enabled
+from kernels.settings import reload_settings
 from tests.kernels.conftest import assert_close, pdl_on_and_off_over_graph_replays
+from tests.kernels.test_moe_experts_w8a8 import W8A8_TOLERANCES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -104,6 +113,22 @@ def test_fp8_grouped_moe_fp32_activations() -> None:
     assert_close(grouped_moe_triton(x, w13, w2, weights, ids, 0, **scales), expected)
 
 
+@pytest.mark.parametrize("num_tokens", [W8A8_MIN_TOKENS, 512, 2048])
+def test_w8a8_grouped_moe_real_shapes(fp8_experts, monkeypatch, num_tokens: int) -> None:
+    """FP8 activations (prefill sizes) against the w8a8 twin; the op takes this kernel when
+    MTPSERVE_FP8_W8A8=1 and gives its bits."""
+    w13, w2, w13_scale, w2_scale, first_expert = fp8_experts
+    x = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=CUDA)
+    weights, ids = _routes(num_tokens, first_expert, w13.shape[0], seed=num_tokens)
+    args = (x, w13, w2, weights, ids, first_expert, w13_scale, w2_scale)
+    expected = grouped_moe_w8a8_reference(*args)
+    actual = grouped_moe_w8a8_triton(*args)
+    assert_close(actual, expected, tolerances=W8A8_TOLERANCES)
+    monkeypatch.setenv("MTPSERVE_FP8_W8A8", "1")
+    reload_settings()  # the code reads the environment once
+    assert torch.equal(ops.grouped_moe(*args), actual)
+
+
 def _fp8_moe_chain(experts, num_tokens: int):
     """Routing then the FP8 experts, as a decode (8 tokens) or prefill (128) step runs them."""
     w13, w2, w13_scale, w2_scale, first_expert = experts
@@ -127,6 +152,24 @@ def test_fp8_pdl_on_and_off_identical_over_graph_replays(
     fp8_experts, monkeypatch, num_tokens: int
 ) -> None:
     assert pdl_enabled(CUDA), "this test is meant for Hopper or newer"
+    with_pdl, without_pdl, mismatches = pdl_on_and_off_over_graph_replays(
+        lambda: _fp8_moe_chain(fp8_experts, num_tokens), monkeypatch
+    )
+    assert mismatches == 0
+    for on, off in zip(with_pdl, without_pdl):
+        assert torch.equal(on, off)
+
+
+@pytest.mark.parametrize("num_tokens", [128, 2048])
+def test_w8a8_pdl_on_and_off_identical_over_graph_replays(
+    fp8_experts, monkeypatch, num_tokens: int
+) -> None:
+    """The same chain with MTPSERVE_FP8_W8A8=1 at prefill sizes: the w8a8 kernels (act_quant,
+    gate/up, down, sum) under PDL on and off."""
+    assert pdl_enabled(CUDA), "this test is meant for Hopper or newer"
+    monkeypatch.setenv("MTPSERVE_FP8_W8A8", "1")  # kept by the helper's reload_settings()
+    reload_settings()
+    assert ops.use_fp8_w8a8(torch.empty(num_tokens, HIDDEN, dtype=BF16, device=CUDA))
     with_pdl, without_pdl, mismatches = pdl_on_and_off_over_graph_replays(
         lambda: _fp8_moe_chain(fp8_experts, num_tokens), monkeypatch
     )

@@ -38,7 +38,12 @@ from kernels.indexer import (
     topk_select_triton,
 )
 from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton
-from kernels.moe_experts import grouped_moe_reference, grouped_moe_triton
+from kernels.moe_experts import (
+    grouped_moe_reference,
+    grouped_moe_triton,
+    grouped_moe_w8a8_reference,
+)
+from kernels.moe_experts_w8a8 import grouped_moe_w8a8_triton
 from kernels.moe_routing import moe_route_reference, moe_route_triton
 from kernels.rmsnorm import (
     add_rms_norm_reference,
@@ -72,6 +77,9 @@ ALL_KERNELS = {
     "_moe_gate_up_kernel",
     "_moe_down_kernel",
     "_moe_sum_kernel",
+    "_act_quant_kernel",
+    "_moe_gate_up_w8a8_kernel",
+    "_moe_down_w8a8_kernel",
     "_linear_fp32_kernel",
     "_fp8_linear_kernel",
     "_sum_splits_kernel",
@@ -196,6 +204,20 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             "grouped_moe_fp8",
             lambda *a: grouped_moe_triton(*a[:5], w13_scale=a[5], w2_scale=a[6]),
             lambda *a: grouped_moe_reference(*a[:5], w13_scale=a[5], w2_scale=a[6]),
+            (
+                torch.randn(3, 6, dtype=f32),
+                torch.randn(4, 10, 6).to(FP8_DTYPE),
+                torch.randn(4, 6, 5).to(FP8_DTYPE),
+                torch.rand(3, 2),
+                ids,
+                torch.rand(4, 2, 1, 1) + 0.5,
+                torch.rand(4, 1, 1) + 0.5,
+            ),
+        ),
+        (
+            "grouped_moe_w8a8",
+            lambda *a: grouped_moe_w8a8_triton(*a[:5], 0, *a[5:]),
+            lambda *a: grouped_moe_w8a8_reference(*a[:5], 0, *a[5:]),
             (
                 torch.randn(3, 6, dtype=f32),
                 torch.randn(4, 10, 6).to(FP8_DTYPE),

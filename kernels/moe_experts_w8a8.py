@@ -1,0 +1,343 @@
+"""FP8 routed experts with FP8 activations (w8a8), for prefill-sized steps: the grouped MoE of
+kernels/moe_experts.py with both GEMMs on the FP8 tensor cores.
+
+The twin is `kernels.moe_experts.grouped_moe_w8a8_reference` (DeepSeek's reference inference).
+Four launches: the input quantized per token in 1x128 groups (kernels/fp8_act_quant.py, once per
+token, not per routed pair); gate/up as FP8 x FP8 with SiLU-and-mul and the intermediate's own
+per-token 1x128 quantization fused into the epilogue (each program holds whole 128-column groups
+of its rows: BLOCK_N is a multiple of 128); down as FP8 x FP8 times the routing weight into one
+fp32 row per pair; the pair sum of kernels/moe_experts.py. Same contiguous grouped layout.
+
+Each K step is one 128-wide scale block, as in kernels/fp8_gemm.py: the FP8 tile product (fp32
+out) is multiplied by a_scale[row, kb] * w_scale[n // 128, kb] and added to an fp32 accumulator,
+so the tensor cores never accumulate more than 128 products (DeepSeek's promotion every 128).
+Under Triton's interpreter (no FP8 tl.dot) the FP8 tiles are converted to fp32 first: the same
+products (e4m3 x e4m3 is exact in fp32), the same scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
+from kernels.fp8_act_quant import quantize_activations_triton, quantize_groups
+from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, launch
+from kernels.moe_experts import (
+    GroupedGemmConfig,
+    _moe_sum_kernel,
+    check_fp8_scales,
+    grouped_layout_triton,
+)
+from kernels.platform import tl, triton, triton_interpreter
+
+# block_k is the scale block (one promotion per 128 of K); block_n a multiple of it, so the
+# gate/up epilogue quantizes whole groups. A starting point, not yet tuned on the H200:
+# `benchmarks/bench_fp8_linear.py --moe --sweep` times the alternatives.
+W8A8_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _round_as(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE (nearest, ties to even), still in fp32. bf16 by its bits: the
+    FP8 rounding after it turns a one-ulp bf16 difference into a whole e4m3 step, and Triton's
+    interpreter truncates fp32 to bf16 (half of randn values came out one ulp off)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _moe_gate_up_w8a8_kernel(
+    xq_ptr,
+    x_scale_ptr,
+    w13_ptr,
+    w13_scale_ptr,
+    hq_ptr,
+    h_scale_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    xq_row_stride,
+    x_scale_row_stride,
+    w13_expert_stride,
+    w13_row_stride,
+    scale_expert_stride,
+    scale_part_stride,
+    scale_row_stride,
+    scale_col_stride,
+    hq_row_stride,
+    h_scale_row_stride,
+    hidden,
+    intermediate,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    block = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of intermediate
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    col_mask = cols < intermediate
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= 0:
+        pairs = tl.load(sorted_pairs_ptr + rows)
+        valid = pairs >= 0
+        tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
+        a_rows = xq_ptr + tokens[:, None] * xq_row_stride  # [BLOCK_M, 1]
+        a_scales = x_scale_ptr + tokens * x_scale_row_stride  # [BLOCK_M]
+        w_gate = w13_ptr + expert * w13_expert_stride + cols[:, None].to(tl.int64) * w13_row_stride
+        w_up = w_gate + intermediate * w13_row_stride
+        # [BLOCK_N] scale rows of the gate grid; the up grid is the next part.
+        s_gate = w13_scale_ptr + expert * scale_expert_stride + (cols // BLOCK_K) * scale_row_stride
+        s_up = s_gate + scale_part_stride
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
+            k = kb * BLOCK_K + kk
+            k_mask = k < hidden
+            a = tl.load(a_rows + k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            bg = tl.load(w_gate + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+            bu = tl.load(w_up + k[None, :], mask=w_mask, other=0.0)
+            a_scale = tl.load(a_scales + kb, mask=valid, other=0.0)  # [BLOCK_M]
+            sg = tl.load(s_gate + kb * scale_col_stride, mask=col_mask, other=0.0)  # [BLOCK_N]
+            su = tl.load(s_up + kb * scale_col_stride, mask=col_mask, other=0.0)
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                part_gate = tl.dot(a, tl.trans(bg.to(tl.float32)), input_precision="ieee")
+                part_up = tl.dot(a, tl.trans(bu.to(tl.float32)), input_precision="ieee")
+            else:  # [BLOCK_M, BLOCK_N] fp32 from the FP8 tensor cores
+                part_gate = tl.dot(a, tl.trans(bg))
+                part_up = tl.dot(a, tl.trans(bu))
+            acc_gate += part_gate * (a_scale[:, None] * sg[None, :])
+            acc_up += part_up * (a_scale[:, None] * su[None, :])
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        # Round where the twin rounds: the GEMM outputs, silu, the product; then its act_quant.
+        gate = _round_as(acc_gate, ROUND_DTYPE)
+        up = _round_as(acc_up, ROUND_DTYPE)
+        silu = _round_as(gate / (1.0 + tl.exp(-gate)), ROUND_DTYPE)
+        h = _round_as(silu * up, ROUND_DTYPE)  # columns past I are 0: no effect on amax
+        # [BLOCK_M * BLOCK_N / 128, 128]: one row per (row, group), as act_quant groups them.
+        q, scale = quantize_groups(
+            tl.reshape(h, [BLOCK_M * (BLOCK_N // BLOCK_K), BLOCK_K]), _FP8_MAX
+        )
+        tl.store(
+            hq_ptr + rows[:, None].to(tl.int64) * hq_row_stride + cols[None, :],
+            tl.reshape(q, [BLOCK_M, BLOCK_N]).to(hq_ptr.dtype.element_ty),
+            mask=valid[:, None] & col_mask[None, :],
+        )
+        groups = tl.program_id(1) * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
+        tl.store(
+            h_scale_ptr + rows[:, None].to(tl.int64) * h_scale_row_stride + groups[None, :],
+            tl.reshape(scale, [BLOCK_M, BLOCK_N // BLOCK_K]),
+            mask=valid[:, None] & (groups * BLOCK_K < intermediate)[None, :],
+        )
+
+
+@triton.jit
+def _moe_down_w8a8_kernel(
+    hq_ptr,
+    h_scale_ptr,
+    w2_ptr,
+    w2_scale_ptr,
+    topk_weights_ptr,
+    y_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    hq_row_stride,
+    h_scale_row_stride,
+    w2_expert_stride,
+    w2_row_stride,
+    scale_expert_stride,
+    scale_row_stride,
+    scale_col_stride,
+    y_row_stride,
+    hidden,
+    intermediate,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    block = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of hidden
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    col_mask = cols < hidden
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= 0:
+        pairs = tl.load(sorted_pairs_ptr + rows)
+        valid = pairs >= 0
+        a_rows = hq_ptr + rows[:, None].to(tl.int64) * hq_row_stride  # [BLOCK_M, 1]
+        a_scales = h_scale_ptr + rows.to(tl.int64) * h_scale_row_stride  # [BLOCK_M]
+        w_rows = w2_ptr + expert * w2_expert_stride + cols[:, None].to(tl.int64) * w2_row_stride
+        w_scales = (
+            w2_scale_ptr + expert * scale_expert_stride + (cols // BLOCK_K) * scale_row_stride
+        )
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(intermediate, BLOCK_K)):
+            k = kb * BLOCK_K + kk
+            k_mask = k < intermediate
+            a = tl.load(a_rows + k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            a_scale = tl.load(a_scales + kb, mask=valid, other=0.0)  # [BLOCK_M]
+            w_scale = tl.load(w_scales + kb * scale_col_stride, mask=col_mask, other=0.0)
+            if UPCAST_DOT:
+                part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(a, tl.trans(b))
+            acc += part * (a_scale[:, None] * w_scale[None, :])
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        weight = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+        y = _round_as(acc, ROUND_DTYPE) * weight[:, None]
+        tl.store(
+            y_ptr + pairs[:, None].to(tl.int64) * y_row_stride + cols[None, :],
+            y,
+            mask=valid[:, None] & col_mask[None, :],
+        )
+
+
+def grouped_moe_w8a8_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    config: GroupedGemmConfig | None = None,
+) -> torch.Tensor:
+    """Triton twin of `kernels.moe_experts.grouped_moe_w8a8_reference`: x [T, hidden], FP8
+    experts with their scales (`check_fp8_scales`) -> [T, hidden] in x's dtype."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    device = x.device
+    check_tensor("w13", w13, ndim=3, dtypes=(FP8_DTYPE,), device=device)
+    check_tensor("w2", w2, ndim=3, dtypes=(FP8_DTYPE,), device=device)
+    check_tensor(
+        "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True, device=device
+    )
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, contiguous=True, device=device)
+    if not check_fp8_scales(w13, w2, w13_scale, w2_scale):
+        raise ValueError("w8a8 experts need w13_scale and w2_scale")
+    check_tensor("w13_scale", w13_scale, last_dim_contiguous=False, device=device)
+    check_tensor("w2_scale", w2_scale, last_dim_contiguous=False, device=device)
+    num_tokens, hidden = x.shape
+    num_local_experts, two_i, _ = w13.shape
+    intermediate = two_i // 2
+    if w13.shape[2] != hidden or w2.shape != (num_local_experts, hidden, intermediate):
+        raise ValueError(
+            f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} / weights "
+            f"{tuple(topk_weights.shape)} vs {num_tokens} tokens"
+        )
+    config = config or W8A8_CONFIG
+    if config.block_k != FP8_BLOCK or config.block_n % FP8_BLOCK:
+        raise ValueError(
+            f"w8a8 experts need block_k {FP8_BLOCK} and block_n a multiple of it, got {config}"
+        )
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=device)  # [T * top_k, hidden]
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
+    if num_pairs == 0:
+        return out
+    xq, x_scale = quantize_activations_triton(x)  # [T, H] e4m3, [T, ceil(H/128)] fp32
+    layout = grouped_layout_triton(topk_ids, num_local_experts, first_expert, config.block_m)
+    num_blocks = layout.block_expert.shape[0]
+    num_rows = layout.sorted_pairs.shape[0]
+    # [rows, I] e4m3 and [rows, ceil(I/128)] fp32, in the layout's row order; padding rows unset.
+    hq = torch.empty(num_rows, intermediate, dtype=FP8_DTYPE, device=device)
+    h_scale = torch.empty(
+        num_rows, triton.cdiv(intermediate, FP8_BLOCK), dtype=torch.float32, device=device
+    )
+    meta = dict(
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=FP8_BLOCK,
+        ROUND_DTYPE=_TL_DTYPES[x.dtype],
+        UPCAST_DOT=triton_interpreter(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    launch(
+        _moe_gate_up_w8a8_kernel,
+        (num_blocks, triton.cdiv(intermediate, config.block_n)),
+        x,
+        xq,
+        x_scale,
+        w13,
+        w13_scale,
+        hq,
+        h_scale,
+        layout.sorted_pairs,
+        layout.block_expert,
+        xq.stride(0),
+        x_scale.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        *w13_scale.stride(),
+        hq.stride(0),
+        h_scale.stride(0),
+        hidden,
+        intermediate,
+        TOP_K=top_k,
+        **meta,
+    )
+    launch(
+        _moe_down_w8a8_kernel,
+        (num_blocks, triton.cdiv(hidden, config.block_n)),
+        x,
+        hq,
+        h_scale,
+        w2,
+        w2_scale,
+        topk_weights,
+        y,
+        layout.sorted_pairs,
+        layout.block_expert,
+        hq.stride(0),
+        h_scale.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        *w2_scale.stride(),
+        y.stride(0),
+        hidden,
+        intermediate,
+        **meta,
+    )
+    launch(
+        _moe_sum_kernel,
+        (num_tokens, triton.cdiv(hidden, 1024)),
+        x,
+        y,
+        topk_ids,
+        out,
+        hidden,
+        num_local_experts,
+        first_expert,
+        TOP_K=top_k,
+        BLOCK=1024,
+        num_warps=4,
+    )
+    return out
