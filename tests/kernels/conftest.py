@@ -50,6 +50,31 @@ def assert_close(
     )
 
 
+def assert_close_but_rare_rounding_flips(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tolerances: dict[torch.dtype, tuple[float, float]],
+    max_fraction: float = 1e-5,
+    flip_factor: float = 2.0,
+) -> None:
+    """`assert_close`, except that at most `max_fraction` of the elements (at least one) may miss
+    the tolerance, and those by at most `flip_factor` times it. For kernels that round an
+    intermediate to FP8 (w8a8): an fp32 sum in another order than the twin's lands on the other
+    side of an FP8 rounding boundary now and then, a one-step difference in that element. Seen on
+    the H200 at DeepSeek-V3.2's shapes: 1 of 3.67M and 2 of 459k outputs, 1.1x the tolerance."""
+    atol, rtol = tolerances[expected.dtype]
+    atol *= max(1.0, expected.float().abs().max().item()) if expected.numel() else 1.0
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    allowed = atol + rtol * expected.float().abs()
+    excess = (actual.float() - expected.float()).abs() / allowed
+    num_missed = int((excess > 1).sum())
+    assert num_missed <= max(1, int(max_fraction * expected.numel())), (
+        f"{num_missed} of {expected.numel()} elements outside the tolerance"
+    )
+    worst = excess.max().item()
+    assert worst <= flip_factor, f"an element off by {worst:.2f}x the tolerance"
+
+
 def overlap(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """Per row, |actual ∩ expected| / |expected| over the non-negative entries (top-k sets)."""
     fractions = []

@@ -19,7 +19,11 @@ from kernels.moe_experts_w8a8 import grouped_moe_w8a8_triton
 from kernels.moe_routing import moe_route_triton
 from kernels.platform import pdl_enabled
 from kernels.settings import reload_settings
-from tests.kernels.conftest import assert_close, pdl_on_and_off_over_graph_replays
+from tests.kernels.conftest import (
+    assert_close,
+    assert_close_but_rare_rounding_flips,
+    pdl_on_and_off_over_graph_replays,
+)
 from tests.kernels.test_moe_experts_w8a8 import W8A8_TOLERANCES
 
 pytestmark = [
@@ -123,7 +127,7 @@ def test_w8a8_grouped_moe_real_shapes(fp8_experts, monkeypatch, num_tokens: int)
     args = (x, w13, w2, weights, ids, first_expert, w13_scale, w2_scale)
     expected = grouped_moe_w8a8_reference(*args)
     actual = grouped_moe_w8a8_triton(*args)
-    assert_close(actual, expected, tolerances=W8A8_TOLERANCES)
+    assert_close_but_rare_rounding_flips(actual, expected, W8A8_TOLERANCES)
     monkeypatch.setenv("MTPSERVE_FP8_W8A8", "1")
     reload_settings()  # the code reads the environment once
     assert torch.equal(ops.grouped_moe(*args), actual)
