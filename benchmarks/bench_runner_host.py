@@ -17,9 +17,10 @@ which has no graphs, the capture runs the stand-in once and the replay does noth
 work around it is the same code. `eager` times the eager path (prefill and mixed steps use it).
 
 Phases (microseconds per step, exclusive of one another; they sum to the whole step):
-  prepare  the runner's `_prepare` (the step's host tensors, their copy to the device)
-  inputs   `DecodeGraphs.run` less the replay: filling the graph's static inputs
-  launch   the graph replay (eager path: the stand-in forward and LM head calls)
+  prepare  the runner's `_prepare`: the step's packed host buffer (eager path: and its copy)
+  inputs   `DecodeGraphs.load`: the one copy into the graph's static inputs
+  launch   `_forward`: the graph replay (eager path: the stand-in forward and LM head calls),
+           the argmax and the start of its copy to the host
   sample   `_sample`: acceptance per request, waiting for the sampled tokens, the results
   rest     the rest of `execute` (forgetting finished requests, the StepOutput)
 With `--drafts K` every request verifies K drafts (K + 1 tokens per sequence) and the step asks
@@ -112,9 +113,10 @@ def build_runner(device: torch.device, path: str, max_batch: int, max_rows: int,
         else:
             _NoReplay.replay = clock.wrap("launch", _NoReplay.replay)
             graphs.capture_graph = lambda forward: (_NoReplay(), forward())
-        graphs.run = clock.wrap("inputs", graphs.run)
+        graphs.load = clock.wrap("inputs", graphs.load)
         runner.graphs = graphs
     runner._prepare = clock.wrap("prepare", runner._prepare)
+    runner._forward = clock.wrap("launch", runner._forward)
     runner._sample = clock.wrap("sample", runner._sample)
     runner.execute = clock.wrap("rest", runner.execute)
     return runner
