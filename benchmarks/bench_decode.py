@@ -29,6 +29,7 @@ from workers.batch import SamplingSpec, SeqWork, StepInput
 from workers.cuda_graph import DecodeGraphs
 from workers.model import DeepseekV32ForCausalLM
 from workers.model_runner import ModelRunner
+from workers.step_tensors import pack_step
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -154,13 +155,24 @@ class DecodeBench:
         return ids, positions, slots, tables
 
     def graph_ms(self, graphs: DecodeGraphs, batch: int, context: int, q: int, reps=20) -> float:
-        args = self.inputs(batch, context, q)
-        graphs.run(*args, q)
+        """GPU time per step of the decode graph: the one copy of its packed inputs, the replay."""
+        ids, _, _, tables = self.inputs(batch, context, q)
+        ids, tables = ids.view(batch, q).tolist(), tables.tolist()
+        seqs = [SeqWork(f"r{b}", ids[b], context, tables[b], q - 1, True) for b in range(batch)]
+        layout = graphs.layout(batch, q)
+        host = torch.empty(layout.numel, dtype=torch.long, pin_memory=True)
+        pack_step(seqs, BLOCK, layout, host.numpy())
+
+        def step():
+            graphs.load(host, batch, q)
+            graphs.replay(batch, q)
+
+        step()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
-            graphs.run(*args, q)
+            step()
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps

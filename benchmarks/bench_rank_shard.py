@@ -265,7 +265,7 @@ def recorded_collectives(model, state, batch: int, k: int = 0, share_topk: bool 
     graphs = DecodeGraphs(model, batch, 1, device)
     state.simulated_collectives.clear()
     with torch.no_grad():
-        graphs._forward(graphs._buffers(batch, 1 + k))
+        graphs._forward(*graphs._static_inputs(batch, 1 + k))
         if k:
             propose = ProposeGraphs(model, graphs)
             propose._forward(propose._buffers(batch, k), k, share_topk)

@@ -10,12 +10,21 @@ slot (slot -1), so they never touch a live request's KV.
 from __future__ import annotations
 
 import bisect
+from typing import NamedTuple
 
 import torch
 
 from workers.attention_metadata import AttentionMetadata
+from workers.step_tensors import StepLayout, pack_step
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class _StepViews(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # the static packed inputs (workers.step_tensors.StepLayout)
+    real_inputs: tuple  # (input_ids, positions, slot_mapping, seq_idx, block_tables): real rows
+    outputs: tuple  # (hidden, logits, argmax) of the real rows
 
 
 class DecodeGraphs:
@@ -26,30 +35,26 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
         self.pool = None
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
+        # (bucket, tokens per sequence) -> (graph, static packed inputs, (hidden, logits, argmax))
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple]] = {}
+        self._steps: dict[tuple[int, int], _StepViews] = {}  # (num_seqs, tokens per sequence)
 
     def bucket(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def _buffers(self, batch: int, tokens_per_seq: int) -> dict:
-        n = batch * tokens_per_seq
-        return dict(
-            input_ids=torch.zeros(n, dtype=torch.long, device=self.device),
-            positions=torch.zeros(n, dtype=torch.long, device=self.device),
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            seq_idx=torch.arange(batch, device=self.device).repeat_interleave(tokens_per_seq),
-            block_tables=torch.zeros(
-                batch, self.max_blocks_per_seq, dtype=torch.int32, device=self.device
-            ),
-        )
+    def layout(self, num_seqs: int, tokens_per_seq: int) -> StepLayout:
+        """The packed inputs' layout of the graph that runs `num_seqs` sequences: its bucket's."""
+        batch = self.bucket(num_seqs)
+        return StepLayout(batch * tokens_per_seq, batch, self.max_blocks_per_seq)
 
-    def _forward(self, buf: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = AttentionMetadata(
-            buf["positions"], buf["slot_mapping"], buf["seq_idx"], buf["block_tables"]
-        )
-        hidden = self.model(buf["input_ids"], meta)
-        return hidden, self.model.compute_logits(hidden)  # logits stay fp32
+    def _forward(self, layout: StepLayout, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        input_ids, positions, slots, seq_idx, tables = layout.views(inputs)
+        hidden = self.model(input_ids, AttentionMetadata(positions, slots, seq_idx, tables))
+        logits = self.model.compute_logits(hidden)  # logits stay fp32
+        # The argmax of every row in the graph too: exact (ties go to the lowest index, in any
+        # reduction order), and one kernel launch less per step on the host.
+        return hidden, logits, logits.argmax(-1)
 
     def capture_graph(self, forward) -> tuple[torch.cuda.CUDAGraph, object]:
         """Warm `forward` up on a side stream (every Triton variant compiled outside the
@@ -66,37 +71,50 @@ class DecodeGraphs:
         self.pool = graph.pool()
         return graph, out
 
-    def capture(self, batch: int, tokens_per_seq: int) -> None:
-        buf = self._buffers(batch, tokens_per_seq)
-        graph, out = self.capture_graph(lambda: self._forward(buf))
-        self.graphs[(batch, tokens_per_seq)] = (graph, buf, out)
+    def _static_inputs(self, batch: int, tokens_per_seq: int) -> tuple[StepLayout, torch.Tensor]:
+        """A bucket's static packed inputs (device), every row padding until a step's load."""
+        layout = StepLayout(batch * tokens_per_seq, batch, self.max_blocks_per_seq)
+        host = torch.zeros(layout.numel, dtype=torch.long)
+        pack_step([], 1, layout, host.numpy())  # no sequence: every row is padding
+        return layout, host.to(self.device)
 
-    def run(
-        self,
-        input_ids: torch.Tensor,  # [B * q]
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,  # [B, width <= max_blocks_per_seq]
-        tokens_per_seq: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (hidden [B * q, hidden], logits [B * q, vocab]) for the real rows."""
-        num_seqs = block_tables.shape[0]
-        batch = self.bucket(num_seqs)
-        key = (batch, tokens_per_seq)
-        if key not in self.graphs:
-            self.capture(batch, tokens_per_seq)
-        graph, buf, out = self.graphs[key]
-        n = num_seqs * tokens_per_seq
-        buf["input_ids"][:n].copy_(input_ids)
-        buf["positions"][:n].copy_(positions)
-        buf["positions"][n:].zero_()
-        buf["slot_mapping"][:n].copy_(slot_mapping)
-        buf["slot_mapping"][n:].fill_(-1)
-        buf["block_tables"].zero_()
-        buf["block_tables"][:num_seqs, : block_tables.shape[1]].copy_(block_tables)
-        graph.replay()
-        hidden, logits = out
-        return hidden[:n], logits[:n]
+    def capture(self, batch: int, tokens_per_seq: int) -> None:
+        layout, inputs = self._static_inputs(batch, tokens_per_seq)
+        graph, out = self.capture_graph(lambda: self._forward(layout, inputs))
+        self.graphs[(batch, tokens_per_seq)] = (graph, inputs, out)
+        self._steps.clear()
+
+    def _step(self, num_seqs: int, tokens_per_seq: int) -> _StepViews:
+        """The graph that runs this shape (captured now if new) and views of its real rows,
+        made once per shape: slicing tensors every step costs the host microseconds."""
+        views = self._steps.get((num_seqs, tokens_per_seq))
+        if views is None:
+            key = (self.bucket(num_seqs), tokens_per_seq)
+            if key not in self.graphs:
+                self.capture(*key)
+            graph, inputs, out = self.graphs[key]
+            n = num_seqs * tokens_per_seq
+            input_ids, positions, slots, seq_idx, tables = self.layout(*key).views(inputs)
+            real_inputs = (input_ids[:n], positions[:n], slots[:n], seq_idx[:n], tables[:num_seqs])
+            views = _StepViews(graph, inputs, real_inputs, tuple(t[:n] for t in out))
+            self._steps[(num_seqs, tokens_per_seq)] = views
+        return views
+
+    def load(self, host: torch.Tensor, num_seqs: int, tokens_per_seq: int) -> tuple:
+        """Copy a step's packed inputs (`host`, in `layout(num_seqs, tokens_per_seq)`; pinned on
+        CUDA) into the graph's static inputs in one copy -> views of them for the real rows:
+        (input_ids, positions, slot_mapping, seq_idx, block_tables), valid until the next load
+        of this graph."""
+        step = self._step(num_seqs, tokens_per_seq)
+        step.inputs.copy_(host, non_blocking=True)
+        return step.real_inputs
+
+    def replay(self, num_seqs: int, tokens_per_seq: int) -> tuple[torch.Tensor, ...]:
+        """Replay the graph last loaded for this shape -> (hidden [n, hidden], logits [n, vocab],
+        argmax [n]) of the real rows, n = num_seqs * tokens_per_seq."""
+        step = self._steps[(num_seqs, tokens_per_seq)]
+        step.graph.replay()
+        return step.outputs
 
 
 class ProposeGraphs:

@@ -22,7 +22,7 @@ from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
 from workers.logits_processors import process_logits, record_step_tokens
 from workers.mtp_proposer import MtpProposer
 from workers.sampler import generator_seed, token_logprobs, verify_and_sample
-from workers.step_tensors import StepTensors
+from workers.step_tensors import StepLayout, StepTensors, pack_step
 
 
 @dataclass
@@ -69,6 +69,8 @@ class ModelRunner:
         self.proposer = (
             MtpProposer(model, block_size_tokens, self.graphs) if model.mtp is not None else None
         )
+        # Marks the sampled tokens' device-to-host copy done (CUDA): see `_forward`.
+        self._argmax_copied = torch.cuda.Event() if device.type == "cuda" else None
 
     @property
     def has_mtp(self) -> bool:
@@ -84,8 +86,8 @@ class ModelRunner:
         if not step.seqs:
             return StepOutput([])
         batch = self._prepare(step.seqs)
-        hidden, logits = self._forward(batch)
-        results = self._sample(batch, logits)
+        hidden, logits, argmax = self._forward(batch)
+        results = self._sample(batch, logits, argmax)
         if self.proposer is not None and step.num_draft_tokens > 0:
             self._agree_on_samples(batch.seqs, results)
             self.proposer.propose(step, batch, hidden, results)
@@ -125,10 +127,26 @@ class ModelRunner:
                     self.proposer.pending[s.request_id] = pending
 
     def _prepare(self, seqs: list[SeqWork]) -> StepTensors:
-        tables_cpu = self._block_tables(seqs)
-        rows = [
-            (i, s.start_position + j) for i, s in enumerate(seqs) for j in range(len(s.token_ids))
-        ]
+        """The step's inputs, packed on the host and sent in one copy (workers.step_tensors):
+        into the decode graph's static inputs on the graph path, else a fresh device buffer."""
+        graphable = self._graphable(seqs)
+        tokens_per_seq = len(seqs[0].token_ids)
+        if graphable:
+            layout = self.graphs.layout(len(seqs), tokens_per_seq)
+        else:
+            num_tokens = sum(len(s.token_ids) for s in seqs)
+            layout = StepLayout(num_tokens, len(seqs), max(len(s.block_ids) for s in seqs))
+        # Pinned, so the copy below is asynchronous; the host allocator keeps this buffer from
+        # being reused before that copy has run.
+        host = torch.empty(layout.numel, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        pack_step(seqs, self.block_size, layout, host.numpy())
+        if graphable:
+            input_ids, positions, slots, seq_idx, tables = self.graphs.load(
+                host, len(seqs), tokens_per_seq
+            )
+        else:
+            inputs = host.to(self.device, non_blocking=True)
+            input_ids, positions, slots, seq_idx, tables = layout.views(inputs)
         offsets, logit_rows = [], []
         start = 0
         for s in seqs:
@@ -139,91 +157,80 @@ class ModelRunner:
             start += len(s.token_ids)
         return StepTensors(
             seqs=seqs,
-            input_ids=torch.tensor([t for s in seqs for t in s.token_ids], device=self.device),
-            meta=self._metadata(rows, tables_cpu, tables_cpu.to(self.device)),
-            tables_cpu=tables_cpu,
+            input_ids=input_ids,
+            meta=AttentionMetadata(positions, slots, seq_idx, tables),
             offsets=offsets,
             logit_rows=logit_rows,
-            graphable=self._graphable(seqs),
+            graphable=graphable,
         )
 
-    def _forward(self, batch: StepTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (hidden [T, hidden], logits of the logit rows [len(logit_rows), vocab] or None)."""
-        meta = batch.meta
+    def _forward(self, batch: StepTensors) -> tuple[torch.Tensor, ...]:
+        """-> (hidden [T, hidden], logits [R, vocab] and their argmax [R] for the R logit rows;
+        None and None when no row samples). The argmax is on its way to the host (pinned) when
+        this returns: see `_sample`."""
         if batch.graphable:
-            return self.graphs.run(
-                batch.input_ids,
-                meta.positions,
-                meta.slot_mapping,
-                meta.block_tables,
-                len(batch.seqs[0].token_ids),
+            hidden, logits, argmax = self.graphs.replay(
+                len(batch.seqs), len(batch.seqs[0].token_ids)
             )
-        hidden = self.model(batch.input_ids, meta)  # [T, hidden]
-        rows = batch.logit_rows
-        return hidden, self.model.compute_logits(hidden[rows]) if rows else None
+        else:
+            hidden = self.model(batch.input_ids, batch.meta)  # [T, hidden]
+            rows = batch.logit_rows
+            if not rows:
+                return hidden, None, None
+            logits = self.model.compute_logits(hidden[rows])
+            argmax = logits.argmax(-1)
+        if self.device.type == "cuda":
+            pinned = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
+            argmax = pinned.copy_(argmax, non_blocking=True)
+            self._argmax_copied.record()
+        return hidden, logits, argmax
 
-    def _sample(self, batch: StepTensors, logits: torch.Tensor | None) -> list[SeqResult]:
+    def _sample(
+        self, batch: StepTensors, logits: torch.Tensor | None, argmax: torch.Tensor | None
+    ) -> list[SeqResult]:
         """Accept drafts and sample, per request (its logits processors first, if it has any:
         each draft row then sees the drafts before it, so acceptance runs on the processed
-        distribution and MTP stays exact)."""
-        # Every row's argmax in one device-to-host copy: greedy requests need nothing else.
-        argmax = logits.argmax(-1).tolist() if logits is not None else []
-        results, cursor = [], 0
-        for s in batch.seqs:
-            processed = s.sampling.has_logits_processors
-            if processed:
+        distribution and MTP stays exact).
+
+        The host work that needs no sampled token is done first, while the device still runs
+        the forward; then the argmax of every row arrives in the one device-to-host copy
+        `_forward` started, and greedy requests need nothing else."""
+        work = []  # per sampling request: (index in the step, state, first logit row, drafts)
+        cursor = 0
+        for i, s in enumerate(batch.seqs):
+            if s.sampling.has_logits_processors:
                 record_step_tokens(self._state(s).token_ids, s.start_position, s.token_ids)
-            if not s.samples:
-                results.append(SeqResult(s.request_id, []))
-                continue
-            state = self._state(s)
-            n = s.num_draft_tokens + 1
-            seq_logits = logits[cursor : cursor + n]
-            seq_argmax = argmax[cursor : cursor + n]
-            cursor += n
-            drafts = (
-                s.token_ids[len(s.token_ids) - s.num_draft_tokens :] if s.num_draft_tokens else []
-            )
-            sample_logits = seq_logits
-            if processed:
-                context = state.token_ids[: len(state.token_ids) - s.num_draft_tokens]
-                sample_logits = process_logits(seq_logits, s.sampling, context, drafts)
-                seq_argmax = None
-            tokens, accepted = verify_and_sample(
-                sample_logits, drafts, s.sampling, state.generator, seq_argmax
-            )
-            logprobs = None
-            if s.sampling.num_logprobs is not None:
-                logprobs = token_logprobs(
-                    seq_logits[: len(tokens)], tokens, s.sampling.num_logprobs
+            if s.samples:
+                drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens :]
+                work.append((i, self._state(s), cursor, drafts))
+                cursor += s.num_draft_tokens + 1
+        if argmax is not None:
+            if self.device.type == "cuda":
+                self._argmax_copied.synchronize()
+            argmax = argmax.tolist()
+        results = [None] * len(batch.seqs)
+        for i, state, first, drafts in work:
+            s, end = batch.seqs[i], first + len(drafts) + 1
+            spec = s.sampling
+            if spec.greedy and not spec.has_logits_processors:  # the argmax is all it needs
+                tokens, accepted = verify_and_sample(None, drafts, spec, None, argmax[first:end])
+            else:
+                sample_logits, seq_argmax = logits[first:end], argmax[first:end]
+                if spec.has_logits_processors:
+                    context = state.token_ids[: len(state.token_ids) - len(drafts)]
+                    sample_logits = process_logits(sample_logits, spec, context, drafts)
+                    seq_argmax = None
+                tokens, accepted = verify_and_sample(
+                    sample_logits, drafts, spec, state.generator, seq_argmax
                 )
-            results.append(SeqResult(s.request_id, tokens, accepted, [], logprobs))
-        return results
+            logprobs = None
+            if spec.num_logprobs is not None:
+                rows = logits[first : first + len(tokens)]
+                logprobs = token_logprobs(rows, tokens, spec.num_logprobs)
+            results[i] = SeqResult(s.request_id, tokens, accepted, [], logprobs)
+        return [r or SeqResult(s.request_id, []) for r, s in zip(results, batch.seqs)]
 
     # --- tensors -------------------------------------------------------------------------------
-
-    def _metadata(
-        self, rows: list[tuple[int, int]], tables_cpu: torch.Tensor, block_tables: torch.Tensor
-    ) -> AttentionMetadata:
-        """rows: (seq index into block_tables, position) per token. Slots are computed from the
-        host copy of the block tables, so building a step's tensors never waits on the device."""
-        seq_idx = torch.tensor([s for s, _ in rows], dtype=torch.long)
-        positions = torch.tensor([p for _, p in rows], dtype=torch.long)
-        blocks = tables_cpu[seq_idx, positions // self.block_size].long()
-        slots = blocks * self.block_size + positions % self.block_size
-        return AttentionMetadata(
-            positions=positions.to(self.device),
-            slot_mapping=slots.to(self.device),
-            seq_idx=seq_idx.to(self.device),
-            block_tables=block_tables,
-        )
-
-    def _block_tables(self, seqs: list[SeqWork]) -> torch.Tensor:
-        width = max(len(s.block_ids) for s in seqs)
-        table = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-        return table
 
     def _state(self, seq: SeqWork) -> _SeqState:
         """A seeded request's random stream lives as long as the request, across preemptions:

@@ -85,9 +85,9 @@ def build_pairs(
     """The proposal's pair rows for one step (the module docstring works an example)."""
     pairs = DraftPairs()
     num_step_rows = hidden.shape[0]
-    table_rows, offsets = batch.tables_cpu.tolist(), batch.offsets
+    offsets = batch.offsets
     for i, (s, res) in enumerate(zip(batch.seqs, results)):
-        blocks = table_rows[i]
+        blocks = s.block_ids
         first_row = len(pairs.tokens)
         # Tokens now known after positions start, start+1, ..: the rest of this chunk, then
         # what was sampled (accepted drafts + the target's token) for a sampling step.

@@ -47,7 +47,9 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def verify_and_sample(
-    logits: torch.Tensor,  # [num_drafts + 1, V]: row j is the target's prediction after draft j
+    # [num_drafts + 1, V]: row j is the target's prediction after draft j. Greedy reads only
+    # `argmax` when the caller has it (then logits may be None).
+    logits: torch.Tensor | None,
     draft_token_ids: list[int],
     spec: SamplingSpec,
     generator: torch.Generator | None,

@@ -1,0 +1,154 @@
+"""The runner's host side of a step: the packed inputs (workers.step_tensors) against a per-token
+reference, and the decode-graph path (one copy into static inputs, the argmax inside the graph)
+run on CPU through a stand-in for CUDA graphs, token for token against the eager path."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.llm import LLM
+from cluster.sampling_params import SamplingParams
+from workers.batch import SeqWork
+from workers.cuda_graph import DecodeGraphs, ProposeGraphs
+from workers.step_tensors import StepLayout, pack_step
+
+BLOCK = 4
+
+
+def _reference(seqs: list[SeqWork], layout: StepLayout) -> tuple[list, ...]:
+    """Per token, the obvious way: (ids, positions, slots, seq_idx, tables), padded as the
+    layout says."""
+    ids, positions, slots, seq_idx = [], [], [], []
+    for i, s in enumerate(seqs):
+        for j, t in enumerate(s.token_ids):
+            p = s.start_position + j
+            ids.append(t)
+            positions.append(p)
+            slots.append(s.block_ids[p // BLOCK] * BLOCK + p % BLOCK)
+            seq_idx.append(i)
+    per_seq = layout.num_rows // layout.num_table_rows
+    for r in range(len(ids), layout.num_rows):
+        ids.append(0)
+        positions.append(0)
+        slots.append(-1)
+        seq_idx.append(r // per_seq)
+    tables = [[0] * layout.table_width for _ in range(layout.num_table_rows)]
+    for i, s in enumerate(seqs):
+        tables[i][: len(s.block_ids)] = s.block_ids
+    return ids, positions, slots, seq_idx, tables
+
+
+def _seq(rng: random.Random, i: int, num_tokens: int) -> SeqWork:
+    start = rng.randrange(0, 300)
+    num_blocks = (start + num_tokens - 1) // BLOCK + 1 + rng.randrange(0, 3)
+    return SeqWork(
+        f"r{i}",
+        [rng.randrange(0, 1000) for _ in range(num_tokens)],
+        start,
+        [rng.randrange(1, 5000) for _ in range(num_blocks)],
+        0,
+        True,
+    )
+
+
+@pytest.mark.parametrize("lens", [[1], [7], [131], [1, 7, 131], [3, 1, 1, 2], [1] * 9])
+def test_packed_inputs_match_per_token_reference(lens):
+    rng = random.Random(sum(lens))
+    seqs = [_seq(rng, i, n) for i, n in enumerate(lens)]
+    width = max(len(s.block_ids) for s in seqs)
+    layout = StepLayout(sum(lens), len(seqs), width)
+    flat = torch.full((layout.numel,), 12345, dtype=torch.long)  # garbage: all overwritten
+    pack_step(seqs, BLOCK, layout, flat.numpy())
+    got = [t.tolist() for t in layout.views(flat)]
+    assert got == list(_reference(seqs, layout))
+
+
+@pytest.mark.parametrize("num_seqs,bucket,q", [(1, 1, 1), (3, 4, 1), (5, 8, 4), (2, 2, 3)])
+def test_packed_inputs_pad_a_graph_bucket(num_seqs, bucket, q):
+    rng = random.Random(num_seqs * 10 + q)
+    seqs = [_seq(rng, i, q) for i in range(num_seqs)]
+    layout = StepLayout(bucket * q, bucket, 150)
+    flat = torch.full((layout.numel,), 12345, dtype=torch.long)
+    pack_step(seqs, BLOCK, layout, flat.numpy())
+    got = [t.tolist() for t in layout.views(flat)]
+    assert got == list(_reference(seqs, layout))
+    # What the graph's padding needs: rows of padded sequences write nowhere, in zero tables.
+    ids, positions, slots, seq_idx, tables = got
+    assert all(s == -1 for s in slots[num_seqs * q :])
+    assert np.asarray(tables)[num_seqs:].sum() == 0
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph on CPU: a replay runs the captured function again on the
+    static inputs and writes its outputs into the captured ones, as a real replay does."""
+
+    def __init__(self, forward, out):
+        self.forward, self.out, self.replays = forward, out, 0
+
+    def replay(self) -> None:
+        new = self.forward()
+        if isinstance(new, torch.Tensor):
+            new, out = (new,), (self.out,)
+        else:
+            out = self.out
+        for o, n in zip(out, new):
+            o.copy_(n)
+        self.replays += 1
+
+
+def _with_cpu_graphs(llm: LLM, max_batch: int) -> tuple[DecodeGraphs, ProposeGraphs | None]:
+    runner = llm.engine.executor.worker.runner
+    graphs = DecodeGraphs(runner.model, max_batch, 64, runner.device)
+
+    def capture_graph(forward):
+        out = forward()
+        return _EagerGraph(forward, out), out
+
+    graphs.capture_graph = capture_graph
+    runner.graphs = graphs
+    propose = None
+    if runner.proposer is not None:
+        propose = runner.proposer.graphs = ProposeGraphs(runner.model, graphs)
+    return graphs, propose
+
+
+PROMPT_LENS = [3, 41, 12, 27, 5, 33, 18]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Each prompt with its own parameters -> token ids, in prompt order."""
+    engine = llm.engine
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+    return [final[i] for i in ids]
+
+
+@pytest.mark.parametrize("k", [0, 2, 3])
+def test_graph_path_is_the_eager_path_token_for_token(tiny_model_dir, k):
+    """Decode and verify steps through the graph path (buckets padded: 7 requests finishing at
+    different times pass through buckets 8, 4, 2 and 1) give exactly the eager path's greedy
+    tokens, with MTP proposals graphed as well."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    params = [
+        SamplingParams(max_tokens=6 + 8 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    eager = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=8)
+    expected = _generate(eager, prompts, params)
+    graphed = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=8)
+    graphs, propose = _with_cpu_graphs(graphed, max_batch=8)
+    assert _generate(graphed, prompts, params) == expected
+    assert [len(t) for t in expected] == [p.max_tokens for p in params]
+    replayed = {key for key, (graph, _, _) in graphs.graphs.items() if graph.replays}
+    assert {b for b, _ in replayed} >= {1, 2, 4, 8}
+    if k:
+        assert any(graph.replays for graph, _, _ in propose.graphs.values())
