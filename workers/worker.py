@@ -61,18 +61,22 @@ class WorkerSpec:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (the MLA latent cache)
 
 
-def warm_up_prefill_lengths(block_size_tokens: int, on_gpu: bool) -> tuple[int, ...]:
+def warm_up_prefill_lengths(
+    block_size_tokens: int, on_gpu: bool, max_prompt_tokens: int
+) -> tuple[int, ...]:
     """Prompt lengths of the warm-up's dummy prefills. Everywhere 16 and 17 tokens (on CPU that
     builds the first shapes' matmul primitives). On a GPU every Triton variant the eager path can
     pick must compile here, not in a served step (measured on the H200 before this: steps of 0.3
     to 3.4 s at 128 concurrent, one per kernel variant first met): Triton specializes integer
     arguments (16 or 17 tokens; a block table 1 block wide, 2 blocks, 16 blocks: strides == 1,
     neither, divisible by 16) and the launchers pick tiles by rows (the grouped MoE's prefill
-    tiles past 256 token-expert pairs, the FP8 linears' by row count up to 2048)."""
+    tiles past 256 token-expert pairs, the FP8 linears' by row count up to 2048).
+    The lengths are capped at `max_prompt_tokens` (what the block tables leave room for, a
+    sampled token and the drafts after it): a short context then warms its longest prompt."""
     lengths = (16, 17)
     if on_gpu:
         lengths += (block_size_tokens + 17, 16 * block_size_tokens)
-    return lengths
+    return tuple(n for n in dict.fromkeys(min(n, max_prompt_tokens) for n in lengths) if n >= 1)
 
 
 WARM_UP_REQUEST_ID = "__warm_up__"
@@ -263,7 +267,10 @@ class Worker:
         its shapes (CPU). Its KV goes to blocks after the null block that no request holds yet;
         the runner then forgets the dummy request."""
         on_gpu = self.device.type == "cuda"
-        for num_tokens in warm_up_prefill_lengths(self.runner.block_size, on_gpu):
+        block_size = self.runner.block_size
+        table_slots = max_blocks_per_seq(self.max_seq_slots, block_size) * block_size
+        max_prompt = table_slots - 1 - num_draft_tokens
+        for num_tokens in warm_up_prefill_lengths(block_size, on_gpu, max_prompt):
             num_blocks = -(-(num_tokens + 1 + num_draft_tokens) // self.runner.block_size)
             if num_blocks + 1 > self.num_kv_blocks:
                 continue

@@ -102,7 +102,7 @@ def test_prefill_warm_up_runs_each_length_and_leaves_no_trace(worker):
     finally:
         del worker.runner.execute
     # Per length: the prefill, then a verify of the sampled token and its 2 drafts.
-    lengths = warm_up_prefill_lengths(worker.runner.block_size, on_gpu=False)
+    lengths = warm_up_prefill_lengths(worker.runner.block_size, False, worker.max_seq_slots)
     expected = [[step] for n in lengths for step in ((n, True, 2), (3, True, 2))]
     assert [entry for entry in seen if entry] == expected
     assert WARM_UP_REQUEST_ID not in worker.runner.states
@@ -148,3 +148,12 @@ def test_triton_cache_dir_is_persistent_unless_set(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     reload_settings()  # the code reads the environment once
     assert ensure_triton_cache_dir() == str(tmp_path / "mine")
+
+
+def test_warm_up_lengths_on_a_gpu_fit_the_context():
+    """On a GPU the long dummy prompts (2 and 16 blocks) are capped where a short context's block
+    tables end: a 1024-token context with 64-token blocks warms a 1023-token prompt at most."""
+    assert warm_up_prefill_lengths(64, False, 4096) == (16, 17)
+    assert warm_up_prefill_lengths(64, True, 4096) == (16, 17, 81, 1024)
+    assert warm_up_prefill_lengths(64, True, 1023) == (16, 17, 81, 1023)
+    assert warm_up_prefill_lengths(16, True, 40) == (16, 17, 33, 40)
