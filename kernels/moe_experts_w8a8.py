@@ -36,7 +36,13 @@ from kernels.platform import tl, triton, triton_interpreter
 W8A8_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _tl_dtype(dtype: torch.dtype):
+    """Triton's dtype for a torch one, looked up at launch: where Triton is not installed this
+    module must still import (the ops run the twins)."""
+    by_torch = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    return by_torch[dtype]
 
 
 @triton.jit
@@ -275,7 +281,7 @@ def grouped_moe_w8a8_triton(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=FP8_BLOCK,
-        ROUND_DTYPE=_TL_DTYPES[x.dtype],
+        ROUND_DTYPE=_tl_dtype(x.dtype),
         UPCAST_DOT=triton_interpreter(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
