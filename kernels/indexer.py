@@ -679,11 +679,11 @@ def topk_select_triton(
     return out
 
 
-def warm_up_topk_select(max_positions: int, topk: int, device: torch.device) -> int:
+def warm_up_topk_select(max_positions: int, topk: int, device: torch.device) -> None:
     """Compile every variant of the select that rows of up to `max_positions` keys use, with one
     dummy row each: its MAX_CHUNKS constexpr is the row's chunk count rounded up to a power of
     two, so a context past each power of two of _SELECT_BLOCK keys would otherwise compile the
-    select in the step that first reaches it (2 s on the H200). Returns the variants run."""
+    select in the step that first reaches it (2 s on the H200)."""
     max_chunks = triton.next_power_of_2(triton.cdiv(max_positions, _SELECT_BLOCK))
     chunks = 1
     while chunks <= max_chunks:
@@ -692,7 +692,6 @@ def warm_up_topk_select(max_positions: int, topk: int, device: torch.device) -> 
         positions = torch.full((1,), width - 1, dtype=torch.int64, device=device)
         topk_select_triton(logits, positions, min(topk, width))
         chunks *= 2
-    return max_chunks.bit_length()
 
 
 def indexer_topk_triton(

@@ -112,9 +112,11 @@ def linear_fp32_triton(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0
     return out
 
 
-def warm_up_linear_fp32(device: torch.device) -> None:
+def warm_up_linear_fp32(device: torch.device, x_dtype: torch.dtype) -> None:
     """Compile the kernel's variants (BLOCK_T and BLOCK_K follow the row count) for every row
-    count it takes; sizes and strides are not specialized on, so a small dummy weight does."""
+    count it takes, for activations of `x_dtype` against fp32 weights (the router's and the
+    indexer's, as the model keeps them); sizes and strides are not specialized on, so a small
+    dummy weight does."""
     weight = torch.zeros(16, 128, dtype=torch.float32, device=device)
     for num_tokens in range(1, MAX_TOKENS + 1):
-        linear_fp32_triton(torch.zeros(num_tokens, 128, device=device), weight)
+        linear_fp32_triton(torch.zeros(num_tokens, 128, dtype=x_dtype, device=device), weight)

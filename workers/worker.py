@@ -251,6 +251,7 @@ class Worker:
         experts = next((m for m in self.model.modules() if isinstance(m, Experts)), None)
         warm_up_eager_kernels(
             self.device,
+            self.dtype,
             self.max_seq_slots,
             self.config.index_topk,
             experts.num_local if experts is not None else 0,
