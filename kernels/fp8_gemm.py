@@ -55,6 +55,19 @@ GROUP_M = 8
 
 
 @triton.jit
+def scaled_fp8_dot(a, w, a_scale, w_scale, UPCAST_DOT: tl.constexpr):
+    """One 128-wide K block of a block-scaled FP8 GEMM: a [M, 128] e4m3 times w [N, 128]
+    e4m3 transposed, fp32 out of the FP8 tensor cores, times a_scale[m] * w_scale[n] (fp32):
+    what the accumulator adds per block (DeepSeek's promotion every 128). UPCAST_DOT (Triton's
+    interpreter): the tiles in fp32, the same products (e4m3 x e4m3 is exact in fp32)."""
+    if UPCAST_DOT:
+        part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        part = tl.dot(a, tl.trans(w))  # [BLOCK_M, BLOCK_N] fp32, FP8 tensor cores
+    return part * (a_scale[:, None] * w_scale[None, :])
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -114,11 +127,7 @@ def _fp8_gemm_kernel(
             w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         a_scale = tl.load(a_scales + kb, mask=row_mask, other=0.0)  # [BLOCK_M]
         w_scale = tl.load(w_scales + kb, mask=col_mask, other=0.0)  # [BLOCK_N]
-        if UPCAST_DOT:
-            part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            part = tl.dot(a, tl.trans(w))  # [BLOCK_M, BLOCK_N] fp32, FP8 tensor cores
-        acc += part * (a_scale[:, None] * w_scale[None, :])
+        acc += scaled_fp8_dot(a, w, a_scale, w_scale, UPCAST_DOT)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(

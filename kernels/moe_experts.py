@@ -526,23 +526,18 @@ DECODE_CONFIG = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, num_warps
 PREFILL_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-def grouped_moe_triton(
+def check_moe_args(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    first_expert: int = 0,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    config: GroupedGemmConfig | None = None,
-) -> torch.Tensor:
-    """Triton twin of `grouped_moe_reference` (contiguous grouped layout); FP8 experts when
-    w13_scale and w2_scale are given (dequantized in registers, activations stay in x's dtype)."""
+    weight_dtypes: tuple[torch.dtype, ...],
+) -> tuple[int, int, int, int, int]:
+    """The grouped MoE kernels' arguments checked -> (num_tokens, hidden, num_local_experts,
+    intermediate, top_k): x [T, H], w13 [E, 2 * I, H], w2 [E, H, I], routes [T, top_k]."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
-    fp8 = w13_scale is not None or w2_scale is not None
-    weight_dtypes = (FP8_DTYPE,) if fp8 else (x.dtype,)
     check_tensor("w13", w13, ndim=3, dtypes=weight_dtypes, device=device)
     check_tensor("w2", w2, ndim=3, dtypes=weight_dtypes, device=device)
     check_tensor(
@@ -564,7 +559,52 @@ def grouped_moe_triton(
             f"topk_ids {tuple(topk_ids.shape)} / weights "
             f"{tuple(topk_weights.shape)} vs {num_tokens} tokens"
         )
-    top_k = topk_ids.shape[1]
+    return num_tokens, hidden, num_local_experts, intermediate, topk_ids.shape[1]
+
+
+def sum_over_experts(
+    y: torch.Tensor,  # [T * top_k, H] fp32, one weighted expert output per routed pair
+    topk_ids: torch.Tensor,  # [T, top_k]
+    out: torch.Tensor,  # [T, H] written
+    num_local_experts: int,
+    first_expert: int,
+) -> None:
+    """Each token's pairs summed into `out`; pairs routed to other ranks' experts count 0."""
+    num_tokens, hidden = out.shape
+    launch(
+        _moe_sum_kernel,
+        (num_tokens, triton.cdiv(hidden, 1024)),
+        out,
+        y,
+        topk_ids,
+        out,
+        hidden,
+        num_local_experts,
+        first_expert,
+        TOP_K=topk_ids.shape[1],
+        BLOCK=1024,
+        num_warps=4,
+    )
+
+
+def grouped_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int = 0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    config: GroupedGemmConfig | None = None,
+) -> torch.Tensor:
+    """Triton twin of `grouped_moe_reference` (contiguous grouped layout); FP8 experts when
+    w13_scale and w2_scale are given (dequantized in registers, activations stay in x's dtype)."""
+    device = x.device
+    fp8 = w13_scale is not None or w2_scale is not None
+    num_tokens, hidden, num_local_experts, intermediate, top_k = check_moe_args(
+        x, w13, w2, topk_weights, topk_ids, (FP8_DTYPE,) if fp8 else (x.dtype,)
+    )
     num_pairs = num_tokens * top_k
     if config is None:
         config = DECODE_CONFIG if num_pairs <= DECODE_MAX_PAIRS else PREFILL_CONFIG
@@ -638,20 +678,7 @@ def grouped_moe_triton(
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-        launch(
-            _moe_sum_kernel,
-            (num_tokens, triton.cdiv(hidden, 1024)),
-            x,
-            y,
-            topk_ids,
-            out,
-            hidden,
-            num_local_experts,
-            first_expert,
-            TOP_K=top_k,
-            BLOCK=1024,
-            num_warps=4,
-        )
+        sum_over_experts(y, topk_ids, out, num_local_experts, first_expert)
     return out
 
 

@@ -21,12 +21,14 @@ import torch
 
 from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
 from kernels.fp8_act_quant import quantize_activations_triton, quantize_groups
-from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, launch
+from kernels.fp8_gemm import scaled_fp8_dot
+from kernels.launch import check_tensor, launch
 from kernels.moe_experts import (
     GroupedGemmConfig,
-    _moe_sum_kernel,
     check_fp8_scales,
+    check_moe_args,
     grouped_layout_triton,
+    sum_over_experts,
 )
 from kernels.platform import tl, triton, triton_interpreter
 
@@ -119,15 +121,8 @@ def _moe_gate_up_w8a8_kernel(
             a_scale = tl.load(a_scales + kb, mask=valid, other=0.0)  # [BLOCK_M]
             sg = tl.load(s_gate + kb * scale_col_stride, mask=col_mask, other=0.0)  # [BLOCK_N]
             su = tl.load(s_up + kb * scale_col_stride, mask=col_mask, other=0.0)
-            if UPCAST_DOT:
-                a = a.to(tl.float32)
-                part_gate = tl.dot(a, tl.trans(bg.to(tl.float32)), input_precision="ieee")
-                part_up = tl.dot(a, tl.trans(bu.to(tl.float32)), input_precision="ieee")
-            else:  # [BLOCK_M, BLOCK_N] fp32 from the FP8 tensor cores
-                part_gate = tl.dot(a, tl.trans(bg))
-                part_up = tl.dot(a, tl.trans(bu))
-            acc_gate += part_gate * (a_scale[:, None] * sg[None, :])
-            acc_up += part_up * (a_scale[:, None] * su[None, :])
+            acc_gate += scaled_fp8_dot(a, bg, a_scale, sg, UPCAST_DOT)
+            acc_up += scaled_fp8_dot(a, bu, a_scale, su, UPCAST_DOT)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         # Round where the twin rounds: the GEMM outputs, silu, the product; then its act_quant.
@@ -204,11 +199,7 @@ def _moe_down_w8a8_kernel(
             b = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
             a_scale = tl.load(a_scales + kb, mask=valid, other=0.0)  # [BLOCK_M]
             w_scale = tl.load(w_scales + kb * scale_col_stride, mask=col_mask, other=0.0)
-            if UPCAST_DOT:
-                part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-            else:
-                part = tl.dot(a, tl.trans(b))
-            acc += part * (a_scale[:, None] * w_scale[None, :])
+            acc += scaled_fp8_dot(a, b, a_scale, w_scale, UPCAST_DOT)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         weight = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
@@ -233,36 +224,19 @@ def grouped_moe_w8a8_triton(
 ) -> torch.Tensor:
     """Triton twin of `kernels.moe_experts.grouped_moe_w8a8_reference`: x [T, hidden], FP8
     experts with their scales (`check_fp8_scales`) -> [T, hidden] in x's dtype."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
-    check_tensor("w13", w13, ndim=3, dtypes=(FP8_DTYPE,), device=device)
-    check_tensor("w2", w2, ndim=3, dtypes=(FP8_DTYPE,), device=device)
-    check_tensor(
-        "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True, device=device
+    num_tokens, hidden, num_local_experts, intermediate, top_k = check_moe_args(
+        x, w13, w2, topk_weights, topk_ids, (FP8_DTYPE,)
     )
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, contiguous=True, device=device)
     if not check_fp8_scales(w13, w2, w13_scale, w2_scale):
         raise ValueError("w8a8 experts need w13_scale and w2_scale")
     check_tensor("w13_scale", w13_scale, last_dim_contiguous=False, device=device)
     check_tensor("w2_scale", w2_scale, last_dim_contiguous=False, device=device)
-    num_tokens, hidden = x.shape
-    num_local_experts, two_i, _ = w13.shape
-    intermediate = two_i // 2
-    if w13.shape[2] != hidden or w2.shape != (num_local_experts, hidden, intermediate):
-        raise ValueError(
-            f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}"
-        )
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
-        raise ValueError(
-            f"topk_ids {tuple(topk_ids.shape)} / weights "
-            f"{tuple(topk_weights.shape)} vs {num_tokens} tokens"
-        )
     config = config or W8A8_CONFIG
     if config.block_k != FP8_BLOCK or config.block_n % FP8_BLOCK:
         raise ValueError(
             f"w8a8 experts need block_k {FP8_BLOCK} and block_n a multiple of it, got {config}"
         )
-    top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=device)  # [T * top_k, hidden]
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
@@ -332,18 +306,5 @@ def grouped_moe_w8a8_triton(
         intermediate,
         **meta,
     )
-    launch(
-        _moe_sum_kernel,
-        (num_tokens, triton.cdiv(hidden, 1024)),
-        x,
-        y,
-        topk_ids,
-        out,
-        hidden,
-        num_local_experts,
-        first_expert,
-        TOP_K=top_k,
-        BLOCK=1024,
-        num_warps=4,
-    )
+    sum_over_experts(y, topk_ids, out, num_local_experts, first_expert)
     return out
