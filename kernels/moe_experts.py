@@ -562,7 +562,7 @@ def check_moe_args(
     return num_tokens, hidden, num_local_experts, intermediate, topk_ids.shape[1]
 
 
-def sum_over_experts(
+def launch_pair_sum(
     y: torch.Tensor,  # [T * top_k, H] fp32, one weighted expert output per routed pair
     topk_ids: torch.Tensor,  # [T, top_k]
     out: torch.Tensor,  # [T, H] written
@@ -678,7 +678,7 @@ def grouped_moe_triton(
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-        sum_over_experts(y, topk_ids, out, num_local_experts, first_expert)
+        launch_pair_sum(y, topk_ids, out, num_local_experts, first_expert)
     return out
 
 

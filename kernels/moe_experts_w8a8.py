@@ -28,7 +28,7 @@ from kernels.moe_experts import (
     check_fp8_scales,
     check_moe_args,
     grouped_layout_triton,
-    sum_over_experts,
+    launch_pair_sum,
 )
 from kernels.platform import tl, triton, triton_interpreter
 
@@ -306,5 +306,5 @@ def grouped_moe_w8a8_triton(
         intermediate,
         **meta,
     )
-    sum_over_experts(y, topk_ids, out, num_local_experts, first_expert)
+    launch_pair_sum(y, topk_ids, out, num_local_experts, first_expert)
     return out
