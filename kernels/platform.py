@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -141,14 +142,10 @@ class LateCompileLog:
         self._started: dict[str, float] = {}
 
     def before(self, *, key: Any, repr: str, fn: Any, **_: Any) -> bool:
-        import time
-
         self._started[str(key)] = time.perf_counter()
         return False  # False: go on and compile
 
     def after(self, *, key: Any, repr: str, fn: Any, compile: dict, **_: Any) -> None:
-        import time
-
         started = self._started.pop(str(key), None)
         seconds = time.perf_counter() - started if started is not None else 0.0
         self.count += 1
