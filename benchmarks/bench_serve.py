@@ -25,8 +25,8 @@ ratio to offline at the same concurrency, time to first token (stream: first tex
 offline: first step output with a token) and inter-token latency (gap between a request's
 consecutive outputs that carried text; an MTP round's tokens, and a paced stream's steps, arrive
 together) at p50/p99, and request latency p50. The last line says whether every prompt's text
-was the same on every path (greedy). Needs `httpx`, else `aiohttp` (the H200 machine's Ray
-bundle relies on the machine's aiohttp).
+was the same on every path (greedy). The clients run in a process of their own
+(`--no-client-process`: in this one) with `aiohttp` (Ray's own dependency), else `httpx`.
 """
 
 from __future__ import annotations
@@ -224,13 +224,13 @@ class AiohttpClient:
 
 
 def client_class(name: str):
-    if name == "auto":
-        try:
-            import httpx  # noqa: F401
+    if name == "auto":  # aiohttp (Ray's own dependency): httpx's pool, not the server, held
+        try:  # 128 streams back on the 2-core box (TTFT p99 6 s against 0.3 s with aiohttp)
+            import aiohttp  # noqa: F401
 
-            name = "httpx"
-        except ImportError:
             name = "aiohttp"
+        except ImportError:
+            name = "httpx"
     return {"httpx": HttpxClient, "aiohttp": AiohttpClient}[name]
 
 
@@ -375,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--paths", default="offline,stream,full")
     ap.add_argument("--client", default="auto", choices=["auto", "httpx", "aiohttp"])
+    ap.add_argument(
+        "--client-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the HTTP clients in a process of their own (default), not in the bench's",
+    )
     ap.add_argument("--url", default=None, help="a server already serving the model (no deploy)")
     ap.add_argument("--actor-num-cpus", type=float, default=0.25)
     ap.add_argument(
@@ -445,13 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[LevelResult] = []
     first_ms: list[float] = []
     engine = server = None
+    pool = _client_pool(args) if http_paths else None
     try:
         if "offline" in paths:
             engine = _offline_engine(model, engine_options, prompts, levels, args)
         if interleave:  # both up at once; per level: offline, then each HTTP path
             if http_paths:
                 server, first_ms = _serve(
-                    engine_options, prompts, levels, http_paths, args, deploy, port, direct
+                    engine_options, prompts, levels, http_paths, args, deploy, port, direct, pool
                 )
             for repeat in range(args.repeat):
                 for c in levels:
@@ -466,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine = None
             if http_paths:
                 server, first_ms = _serve(
-                    engine_options, prompts, levels, http_paths, args, deploy, port, direct
+                    engine_options, prompts, levels, http_paths, args, deploy, port, direct, pool
                 )
             for repeat in range(args.repeat):
                 for p in http_paths:
@@ -474,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if engine is not None:
             _close_engine(engine)
+        if pool is not None:
+            pool.shutdown()
         if args.url is None:
             shutdown()
 
@@ -533,11 +542,24 @@ def _close_engine(engine) -> None:
     _empty_device_cache()
 
 
+def _run_http_sync(*args, **kwargs) -> LevelResult:
+    return asyncio.run(run_http(*args, **kwargs))
+
+
 @dataclass
 class _Server:
+    """Where the HTTP clients run: `pool`, a process of their own (None: this process)."""
+
     client_cls: type
     url: str
     model: str
+    pool: object = None
+
+    def run(self, prompts, path, concurrency, num_requests, max_tokens, **kwargs) -> LevelResult:
+        call = (self.client_cls, self.url, self.model, prompts, path, concurrency, num_requests)
+        if self.pool is None:
+            return _run_http_sync(*call, max_tokens, **kwargs)
+        return self.pool.submit(_run_http_sync, *call, max_tokens, **kwargs).result()
 
 
 def _app_args(args, engine_options):
@@ -567,30 +589,18 @@ def _app_args(args, engine_options):
     )
 
 
-def _serve(engine_options, prompts, levels, paths, args, deploy, port, direct):
+def _serve(engine_options, prompts, levels, paths, args, deploy, port, direct, pool):
     """Deploy (unless --url), time the ten first requests, warm each path up:
     -> (_Server, first request latencies in ms)."""
     if args.url is None:
         url = deploy(_app_args(args, engine_options), "127.0.0.1", port, direct=direct)
     else:
         url = args.url.rstrip("/").removesuffix("/v1")
-    server = _Server(client_class(args.client), url, _served_model(url))
+    server = _Server(client_class(args.client), url, _served_model(url), pool)
     # The first requests after the server said it was ready, one at a time, before any warm-up
     # of the server's completion path (the client's connection is made first, untimed):
     # compilation or graph capture left for them shows as a slow first one.
-    first = asyncio.run(
-        run_http(
-            server.client_cls,
-            url,
-            server.model,
-            prompts,
-            "full",
-            1,
-            10,
-            args.max_tokens,
-            warm_client=True,
-        )
-    )
+    first = server.run(prompts, "full", 1, 10, args.max_tokens, warm_client=True)
     first_ms = [s * 1e3 for s in first.latency_s]
     if len(first_ms) == 10:
         print(
@@ -600,26 +610,26 @@ def _serve(engine_options, prompts, levels, paths, args, deploy, port, direct):
         )
     top = max(levels)
     for path in paths:  # warm-up
-        asyncio.run(
-            run_http(
-                server.client_cls,
-                url,
-                server.model,
-                prompts,
-                path,
-                top,
-                top,
-                min(args.max_tokens, 8),
-            )
-        )
+        server.run(prompts, path, top, top, min(args.max_tokens, 8))
     return server, first_ms
+
+
+def _client_pool(args):
+    """The clients' own process (None: --no-client-process). Clients sharing the bench's process
+    share its interpreter with what the offline run left: on the H200 their event loop lagged
+    60-80 ms at every turn at 128 concurrent, and the server's figures carried it. A user's
+    clients are processes of their own too."""
+    if not args.client_process:
+        return None
+    import concurrent.futures
+    import multiprocessing
+
+    return concurrent.futures.ProcessPoolExecutor(1, multiprocessing.get_context("spawn"))
 
 
 def _http_level(server: _Server, prompts, path: str, c: int, repeat: int, args) -> LevelResult:
     n = num_requests_for(c, args.rounds, args.min_requests)
-    row = asyncio.run(
-        run_http(server.client_cls, server.url, server.model, prompts, path, c, n, args.max_tokens)
-    )
+    row = server.run(prompts, path, c, n, args.max_tokens)
     row.repeat = repeat
     print(f"  {path} c={c}: {row.tokens_per_s:.0f} tok/s", flush=True)
     if row.first_errors:
