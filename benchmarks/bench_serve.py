@@ -399,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the model server's streamed chunk budget (default: AppArgs')",
     )
     ap.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine's step loop in a process of its own, or on a thread of its replica "
+        "(default: AppArgs')",
+    )
+    ap.add_argument(
         "--proxy",
         action="store_true",
         help="HTTP through Serve's proxy even where the ingress replica can serve it directly",
@@ -571,6 +578,8 @@ def _app_args(args, engine_options):
         pacing["stream_chunks_per_s"] = args.stream_chunks_per_s
     if args.colocate:
         pacing["colocate"] = True
+    if args.engine_process is not None:
+        pacing["engine_process"] = args.engine_process
     engine = {
         k: v
         for k, v in engine_options.items()

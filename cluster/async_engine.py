@@ -1,5 +1,6 @@
-"""An asyncio front for the engine: the step loop runs on its own thread; each request's
-outputs reach its caller through an asyncio queue.
+"""An asyncio front for the engine: the step loop runs on its own thread, or in a process of
+its own (`own_process`: cluster/engine_process.py says why); each request's outputs reach its
+caller through an asyncio queue.
 
 Pacing: the loop thread decides when a request's outputs cross to its caller, so a step costs the
 caller's event loop work only for the requests that are due. A streamed request gets its first
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import sys
 import threading
 import time
@@ -30,9 +32,28 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cluster.config import EngineConfig
-from cluster.engine import EngineStats, LLMEngine
-from cluster.outputs import JoinedOutputs, RequestOutput, join_outputs
+from cluster.engine import EngineStats, LLMEngine, load_tokenizer
+from cluster.engine_loop import (
+    Abort,
+    Add,
+    EngineDeadError,
+    EngineLoop,
+    EngineOverloadedError,
+    Refusal,
+    RequestFailedError,
+)
+from cluster.engine_process import EngineInfo, EngineProcess, runs_in_own_process
+from cluster.outputs import JoinedDeltas, JoinedOutputs, RequestOutput, join_outputs
 from cluster.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "RequestFailedError",
+    "TokenTimings",
+    "stream_interval_s",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,39 +61,6 @@ logger = logging.getLogger(__name__)
 # step loop gives the GIL up at every wait on the device and then needs it back at once; with
 # the HTTP side busy in the same process, 5 ms per hand-back would outlast a whole decode step.
 GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-class EngineDeadError(RuntimeError):
-    """The workers failed; the engine must be restarted."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request failed inside a step; the engine and every other request go on."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """More requests are queued than max_queued_requests."""
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-    done: asyncio.Future | None = None  # set once the blocks are free
-
-
-@dataclass(frozen=True)
-class _Refusal:
-    """The loop refused a request at admission; its stream raises `error`."""
-
-    request_id: str
-    error: Exception
 
 
 class TokenTimings(Protocol):
@@ -97,7 +85,8 @@ class _Subscriber:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     stream: bool
-    pending: JoinedOutputs = field(default_factory=JoinedOutputs)  # not yet sent
+    # Not yet sent. The engine in its own process sends deltas (tuples): JoinedDeltas.
+    pending: JoinedOutputs | JoinedDeltas = field(default_factory=JoinedOutputs)
     token_stamps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, when)
     next_send_s: float = 0.0  # time.perf_counter(); 0: the next output goes at once
 
@@ -115,9 +104,16 @@ def _resolve_soon(future: asyncio.Future) -> None:
         pass
 
 
-def _resolve(future: asyncio.Future) -> None:
+def _resolve(future: asyncio.Future, result: object = None) -> None:
     if not future.done():
-        future.set_result(None)
+        future.set_result(result)
+
+
+def _settle_soon(future: asyncio.Future, result: object) -> None:
+    try:
+        future.get_loop().call_soon_threadsafe(_resolve, future, result)
+    except RuntimeError:  # the caller's loop is closed
+        pass
 
 
 def _tell_timings(
@@ -143,100 +139,202 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
 
 
 class AsyncEngine:
-    """The engine loop thread owns `self.engine`; callers never wait for a step.
+    """The engine's step loop runs apart from the callers; callers never wait for a step.
 
-    Callers post commands (add, abort) to an inbox that the loop drains between steps, and the
-    loop hands each step's outputs to each caller's event loop in one callback. So an asyncio
-    caller never blocks on the lock a step holds (before, `generate` and `abort` took it on the
-    event loop thread and stalled every stream of the replica for up to a step), and a step costs
-    one cross-thread wake-up per event loop, not one per request.
+    Callers post commands (add, abort) that the loop applies between steps, and the loop hands
+    each step's outputs to each caller's event loop in one callback. So an asyncio caller never
+    blocks on a step, and a step costs one cross-thread wake-up per event loop, not one per
+    request.
+
+    Where the loop runs: on a thread of this process (default), or, with `own_process`, in a
+    process of its own (`cluster.engine_process`) where the executor allows it, so that the
+    caller's threads (a Serve replica's) and the engine never wait for one interpreter lock;
+    a thread of this process then receives each step's message and paces it to the callers.
+    `engine` (the `LLMEngine`) is reachable in the thread mode only.
     """
 
-    def __init__(self, config: EngineConfig, stream_chunks_per_s: float = 0.0):
+    def __init__(
+        self, config: EngineConfig, stream_chunks_per_s: float = 0.0, own_process: bool = False
+    ):
         self.config = config
         self.stream_chunks_per_s = stream_chunks_per_s
-        self.engine = LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
-        self.model_name = config.model_name
-        self.max_model_len = self.engine.max_model_len
-        self.sampling_defaults = self.engine.sampling_defaults
-        # Guards self.engine between the loop and restart/shutdown/probe (never the event loop).
-        self._lock = threading.Lock()
-        self._wakeup = threading.Event()
-        self._inbox: collections.deque[_Add | _Abort] = collections.deque()
         self._subscribers: dict[str, _Subscriber] = {}
         self._num_streams = 0  # streamed requests in flight (written by callers' loops only)
         self._dead: str | None = None
         self._stopping = False
-        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: a serving process
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._aborting: dict[str, list[asyncio.Future]] = {}  # done once the blocks are free
+        self._aborting_lock = threading.Lock()
+        self._process: EngineProcess | None = None
+        if own_process and runs_in_own_process(config):
+            self._start_process(config)
+            self.engine = None
+            self._tokenizer = None
+        else:
+            if own_process:
+                logger.info("the %s executor runs the engine on a thread", config.executor)
+            self.engine = LLMEngine(config)
+            self._tokenizer = self.engine.tokenizer
+            self._core = EngineLoop(self.engine)
+            self._info = EngineInfo(
+                self.engine.config,
+                self.engine.warm_up,
+                self.engine.max_model_len,
+                self.engine.sampling_defaults,
+                None,
+            )
+            # Guards the engine between the loop and restart/shutdown/probe (never the event loop).
+            self._lock = threading.Lock()
+            self._wakeup = threading.Event()
+            self._inbox: collections.deque[Add | Abort] = collections.deque()
+            if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: a serving process
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+        self.model_name = config.model_name
+        self.max_model_len = self._info.max_model_len
+        self.sampling_defaults = self._info.sampling_defaults
 
-    # --- the loop thread ------------------------------------------------------------------------
+    @property
+    def own_process(self) -> bool:
+        return self._process is not None
+
+    @property
+    def pid(self) -> int:
+        """The process the step loop runs in."""
+        return self._process.pid if self._process is not None else os.getpid()
+
+    @property
+    def resolved_config(self) -> EngineConfig:
+        """The config as the engine resolved it (the draft length and the context chosen)."""
+        return self._info.config
+
+    @property
+    def warm_up(self):
+        """The engine's warm-up before it served (`workers.worker.WarmUp`)."""
+        return self._info.warm_up
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:  # the engine's own process has its own
+            self._tokenizer = load_tokenizer(self.config.model)
+        return self._tokenizer
+
+    # --- the loop thread (engine on a thread of this process) ------------------------------------
 
     def _loop(self) -> None:
         while not self._stopping:
+            commands = []
+            while self._inbox:
+                commands.append(self._inbox.popleft())
             with self._lock:
-                outputs = self._drain_inbox()
-                busy = self.engine.has_unfinished and self._dead is None
-                if busy:
-                    try:
-                        outputs += self.engine.step()
-                    except Exception as e:  # a failed rank: fail every request, stay up
-                        logger.exception("engine step failed")
-                        self._dead = f"{type(e).__name__}: {e}"
-                        outputs += self.engine.fail_all(f"engine failure: {self._dead}")
-            if outputs:
-                self._deliver(outputs)
+                outputs, aborted = self._core.turn(commands)
+                busy = self._core.busy
+                if self._core.dead is not None:
+                    self._dead = self._core.dead
+            self._after_turn(outputs, aborted)
             if not busy:
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
 
-    def _drain_inbox(self) -> list[RequestOutput | _Refusal]:
-        """Admit or abort what callers posted since the last step (called under the lock)."""
-        outputs: list[RequestOutput | _Refusal] = []
-        while self._inbox:
-            command = self._inbox.popleft()
-            if isinstance(command, _Abort):
-                out = self.engine.abort(command.request_id)
-                if out is not None:
-                    outputs.append(out)
-                if command.done is not None:
-                    _resolve_soon(command.done)
-                continue
-            try:
-                if self._dead is not None:
-                    raise EngineDeadError(self._dead)
-                num_waiting = self.engine.scheduler.num_waiting
-                if num_waiting >= self.config.max_queued_requests:
-                    raise EngineOverloadedError(
-                        f"{num_waiting} requests queued (max_queued_requests="
-                        f"{self.config.max_queued_requests})"
-                    )
-                self.engine.add_request(
-                    command.prompt_token_ids, command.params, command.request_id
-                )
-            except Exception as e:  # InvalidRequestError and the two above reach the caller
-                outputs.append(_Refusal(command.request_id, e))
-        return outputs
+    # --- the receiving thread (engine in its own process) -----------------------------------------
 
-    def _deliver(self, outputs: list[RequestOutput | _Refusal]) -> None:
-        """Hand what is due to the callers: one callback per caller event loop for the step."""
+    def _start_process(self, config: EngineConfig) -> None:
+        self._process = EngineProcess(config)
+        self._info = self._process.info
+        self._stats = self._info.stats
+        self._probes: dict[str, asyncio.Future] = {}
+        self._receiver = threading.Thread(
+            target=self._receive, args=(self._process,), name="engine-receiver", daemon=True
+        )
+        self._receiver.start()
+
+    def _receive(self, process: EngineProcess) -> None:
+        while True:
+            try:
+                message = process.recv()
+            except (EOFError, OSError):
+                if not self._stopping and process is self._process:
+                    self._lost(process)
+                return
+            if message[0] == "step":
+                _, outputs, aborted, stats, dead = message
+                if stats is not None:
+                    self._stats = stats
+                if dead is not None:
+                    self._dead = dead
+                self._after_turn(outputs, aborted)
+            elif message[0] == "probe":
+                _, token, error = message
+                future = self._probes.pop(token, None)
+                if future is not None:
+                    _settle_soon(future, error)
+
+    def _lost(self, process: EngineProcess) -> None:
+        """The engine process died (killed, out of memory, a crash in native code): every
+        request in flight ends with an error, as when a step fails."""
+        self._dead = f"the engine process {process.exit_status()}"
+        logger.error("%s", self._dead)
+        error = f"engine failure: {self._dead}"
+        failed = [
+            (request_id, [], "", True, "error", None, None, 0, 0, None, error, False)
+            for request_id in list(self._subscribers)
+        ]
+        with self._aborting_lock:
+            aborted = list(self._aborting)
+        self._after_turn(failed, aborted)
+        for token in list(self._probes):
+            future = self._probes.pop(token, None)
+            if future is not None:
+                _settle_soon(future, self._dead)
+
+    # --- both -------------------------------------------------------------------------------------
+
+    def _post(self, command: Add | Abort) -> None:
+        if self._process is None:
+            self._inbox.append(command)
+            self._wakeup.set()
+            return
+        try:
+            self._process.send(("command", command))
+        except OSError:  # the process is gone: its receiver fails what was in flight
+            if isinstance(command, Add):
+                raise EngineDeadError(self._dead or "the engine process is gone") from None
+
+    def _after_turn(
+        self, outputs: list[RequestOutput | tuple | Refusal], aborted: list[str]
+    ) -> None:
+        for request_id in aborted:
+            with self._aborting_lock:
+                waiters = self._aborting.pop(request_id, [])
+            for future in waiters:
+                _resolve_soon(future)
+        if outputs:
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput | tuple | Refusal]) -> None:
+        """Hand what is due to the callers: one callback per caller event loop for the step.
+        `outputs`: RequestOutputs (the engine on a thread) or deltas (`make_request_delta`
+        tuples, the engine in its own process), and refusals."""
         now_s = time.perf_counter()
         interval_s = stream_interval_s(self._num_streams, self.stream_chunks_per_s)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
-            sub = self._subscribers.get(out.request_id)
+            if isinstance(out, tuple):
+                request_id, new_token_ids, finished = out[0], out[1], out[3]
+            else:
+                request_id = out.request_id
+                new_token_ids = None if isinstance(out, Refusal) else out.new_token_ids
+                finished = None if isinstance(out, Refusal) else out.finished
+            sub = self._subscribers.get(request_id)
             if sub is None:
                 continue
-            if isinstance(out, _Refusal):
+            if isinstance(out, Refusal):
                 by_loop.setdefault(sub.loop, []).append((sub.queue, out))
                 continue
             sub.pending.add(out)
-            if out.new_token_ids:
-                sub.token_stamps.append((len(out.new_token_ids), now_s))
-            if not (out.finished or (sub.stream and now_s >= sub.next_send_s)):
+            if new_token_ids:
+                sub.token_stamps.append((len(new_token_ids), now_s))
+            if not (finished or (sub.stream and now_s >= sub.next_send_s)):
                 continue  # joins a later output
             delivery = _Delivery(sub.pending.take(), sub.token_stamps)
             sub.token_stamps = []
@@ -267,17 +365,19 @@ class AsyncEngine:
             raise EngineDeadError(self._dead)
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
-        self._subscribers[request_id] = _Subscriber(asyncio.get_running_loop(), queue, stream)
+        pending = JoinedDeltas(list(prompt_token_ids)) if self._process else JoinedOutputs()
+        self._subscribers[request_id] = _Subscriber(
+            asyncio.get_running_loop(), queue, stream, pending=pending
+        )
         self._num_streams += stream
         arrived_s = time.perf_counter()
         last_stamp_s: float | None = None
-        self._inbox.append(_Add(request_id, prompt_token_ids, params))
-        self._wakeup.set()
         finished = False
         try:
+            self._post(Add(request_id, prompt_token_ids, params))
             while True:
-                item: _Delivery | _Refusal = await queue.get()
-                if isinstance(item, _Refusal):
+                item: _Delivery | Refusal = await queue.get()
+                if isinstance(item, Refusal):
                     finished = True
                     raise item.error
                 ready = [item]
@@ -296,6 +396,9 @@ class AsyncEngine:
                         failed = EngineDeadError if self._dead is not None else RequestFailedError
                         raise failed(out.error or "engine failure")
                     return
+        except EngineDeadError:
+            finished = True
+            raise
         finally:
             self._subscribers.pop(request_id, None)
             self._num_streams -= stream
@@ -306,8 +409,14 @@ class AsyncEngine:
         """Returns once the loop has aborted the request (between two steps) and freed its
         blocks; the event loop runs on meanwhile."""
         done = asyncio.get_running_loop().create_future()
-        self._inbox.append(_Abort(request_id, done))
-        self._wakeup.set()
+        with self._aborting_lock:
+            self._aborting.setdefault(request_id, []).append(done)
+        try:
+            self._post(Abort(request_id))
+        except OSError:
+            return  # the engine is gone, and the request with it
+        if self._process is not None and self._dead is not None:
+            return  # nobody will answer
         if not self._stopping:
             await done
 
@@ -315,9 +424,20 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self._probe)
+            if self._process is None:
+                await asyncio.get_running_loop().run_in_executor(None, self._probe)
+                return
+            future = asyncio.get_running_loop().create_future()
+            token = uuid.uuid4().hex
+            self._probes[token] = future
+            self._process.send(("probe", token))
+            error = await future
+            if error is not None:
+                raise RuntimeError(error)
         except Exception as e:
             self._dead = f"health check failed: {e}"
+            if self._process is None:
+                self._core.dead = self._dead
             raise EngineDeadError(self._dead) from e
 
     def _probe(self) -> None:
@@ -329,25 +449,40 @@ class AsyncEngine:
         return self._dead is not None
 
     def restart(self) -> None:
-        """Rebuild the workers (after a failure); requests in flight were already failed."""
+        """Rebuild the workers (after a failure); requests in flight were already failed. The
+        resolved config: the context and draft length the callers were told stay."""
+        if self._process is not None:
+            old = self._process
+            self._process = None  # its receiver, reading EOF, fails nobody now
+            old.stop()
+            self._start_process(self._info.config)
+            self._dead = None
+            return
         with self._lock:
             try:
                 self.engine.shutdown()
             except Exception:
                 logger.exception("shutting down the failed engine")
-            # The resolved config: the context and draft length the callers were told stay.
             self.engine = LLMEngine(self.engine.config)
+            self._core = EngineLoop(self.engine)
             self._dead = None
 
     def stats(self) -> EngineStats:
+        if self._process is not None:
+            return self._stats  # the engine process's, at most STATS_PERIOD_S old
         return self.engine.stats()
 
     async def shutdown(self) -> None:
         self._stopping = True
+        with self._aborting_lock:
+            waiters = [f for futures in self._aborting.values() for f in futures]
+            self._aborting.clear()
+        for future in waiters:  # nobody will abort these now: let their callers go
+            _resolve_soon(future)
+        if self._process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._process.stop)
+            return
         self._wakeup.set()
         self._thread.join(timeout=10)
-        for command in self._inbox:  # nobody will abort these now: let their callers go
-            if isinstance(command, _Abort) and command.done is not None:
-                _resolve_soon(command.done)
         with self._lock:
             self.engine.shutdown()

@@ -19,7 +19,13 @@ from cluster.config import (
     resolve_config,
 )
 from cluster.executor import WorkerError, make_executor
-from cluster.outputs import EngineCounters, RequestOutput, SpecDecodeStats, make_request_output
+from cluster.outputs import (
+    EngineCounters,
+    RequestOutput,
+    SpecDecodeStats,
+    make_request_delta,
+    make_request_output,
+)
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -138,6 +144,7 @@ class LLMEngine:
             tokenizer=self.tokenizer,
         )
         self.counters = EngineCounters()
+        self.deltas_only = False  # see _output
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
         self._counter = itertools.count()
@@ -202,8 +209,14 @@ class LLMEngine:
             outputs.append(self._output(request))
         return outputs
 
-    def _output(self, request: Request) -> RequestOutput:
-        """Every output the engine yields is built here, and counted."""
+    def _output(self, request: Request) -> RequestOutput | tuple:
+        """Every output the engine yields is built here, and counted: a RequestOutput, or with
+        `deltas_only` its deltas (`cluster.outputs.make_request_delta`), for a caller that keeps
+        the cumulative fields itself (the engine in its own process)."""
+        if self.deltas_only:
+            delta = make_request_delta(request)
+            self.counters.observe_delta(delta)
+            return delta
         out = make_request_output(request)
         self.counters.observe(out)
         return out

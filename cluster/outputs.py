@@ -118,11 +118,21 @@ class EngineCounters:
     num_finished: dict[str, int] = field(default_factory=dict)  # requests by finish_reason
 
     def observe(self, out: RequestOutput) -> None:
-        if out.new_token_ids and len(out.token_ids) == len(out.new_token_ids):
-            self.num_prompt_tokens += out.num_prompt_tokens  # its first tokens: prefill done
-        self.num_generation_tokens += len(out.new_token_ids)
-        if out.finished:
-            reason = out.finish_reason or "unknown"
+        first = bool(out.new_token_ids) and len(out.token_ids) == len(out.new_token_ids)
+        self._count(
+            first, out.num_prompt_tokens, len(out.new_token_ids), out.finished, out.finish_reason
+        )
+
+    def observe_delta(self, delta: tuple) -> None:
+        """`observe` for a `make_request_delta` tuple."""
+        self._count(delta[11], delta[7], len(delta[1]), delta[3], delta[4])
+
+    def _count(self, first: bool, num_prompt: int, num_new: int, finished: bool, reason) -> None:
+        if first:
+            self.num_prompt_tokens += num_prompt  # its first tokens: prefill done
+        self.num_generation_tokens += num_new
+        if finished:
+            reason = reason or "unknown"
             self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
 
 
@@ -151,16 +161,16 @@ class RequestOutput:
     new_logprobs: list[Any] | None = None
 
 
-def make_request_output(request: Request) -> RequestOutput:
-    """Build the next streaming update for `request` and advance its sent-markers.
+def _advance(request: Request) -> tuple[str, int, list[int], list[Any] | None]:
+    """The text and tokens not yet sent, and advance the request's sent-markers: -> (the text
+    sendable now, new_text, new_token_ids, new_logprobs).
 
     While the request runs, trailing text that could be the start of a stop string is held
     back (it may yet be cut); once finished, everything left is released. Each token id and each
     character therefore appears in exactly one `new_*` delta.
     """
-    finished = request.status.is_finished
     text = request.output_text
-    if finished:
+    if request.status.is_finished:
         num_stable_chars = len(text)
     else:
         holdback = num_stop_holdback_chars(text, request.sampling_params.stop)
@@ -169,18 +179,27 @@ def make_request_output(request: Request) -> RequestOutput:
     num_stable_chars = max(num_stable_chars, request.num_sent_chars)
     new_text = text[request.num_sent_chars : num_stable_chars]
     new_token_ids = request.output_token_ids[request.num_sent_tokens :]
-    logprobs = request.output_logprobs if request.sampling_params.logprobs is not None else None
-    new_logprobs = logprobs[request.num_sent_tokens :] if logprobs is not None else None
+    new_logprobs = None
+    if request.sampling_params.logprobs is not None:
+        new_logprobs = request.output_logprobs[request.num_sent_tokens :]
     request.num_sent_chars = num_stable_chars
     request.num_sent_tokens = len(request.output_token_ids)
+    return text[:num_stable_chars], new_text, new_token_ids, new_logprobs
+
+
+def make_request_output(request: Request) -> RequestOutput:
+    """Build the next streaming update for `request` and advance its sent-markers (`_advance`
+    says what is held back)."""
+    text, new_text, new_token_ids, new_logprobs = _advance(request)
+    logprobs = request.output_logprobs if new_logprobs is not None else None
     return RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
         token_ids=list(request.output_token_ids),
         new_token_ids=new_token_ids,
-        text=text[:num_stable_chars],
+        text=text,
         new_text=new_text,
-        finished=finished,
+        finished=request.status.is_finished,
         finish_reason=request.finish_reason,
         stop_reason=request.stop_reason,
         logprobs=list(logprobs) if logprobs is not None else None,
@@ -190,6 +209,101 @@ def make_request_output(request: Request) -> RequestOutput:
         error=request.error,
         new_logprobs=new_logprobs,
     )
+
+
+# A RequestOutput's deltas as a tuple (`make_request_delta`), in this order: what the engine in
+# its own process sends (cluster/engine_process.py). It leaves out what repeats everything
+# before (the prompt, every token so far, the text so far): the receiver keeps those
+# (`JoinedDeltas`). Tuples also pickle ~8x faster than the dataclass (12 against 84 us for 128).
+DELTA_FIELDS = (
+    "request_id",
+    "new_token_ids",
+    "new_text",
+    "finished",
+    "finish_reason",
+    "stop_reason",
+    "new_logprobs",
+    "num_prompt_tokens",
+    "num_cached_tokens",
+    "spec",
+    "error",
+    "is_first",  # the request's first tokens are in this delta (its prefill is done)
+)
+
+
+def make_request_delta(request: Request) -> tuple:
+    """`make_request_output`'s deltas only, as a DELTA_FIELDS tuple."""
+    _, new_text, new_token_ids, new_logprobs = _advance(request)
+    return (
+        request.request_id,
+        new_token_ids,
+        new_text,
+        request.status.is_finished,
+        request.finish_reason,
+        request.stop_reason,
+        new_logprobs,
+        len(request.prompt_token_ids),
+        request.num_cached_tokens,
+        request.spec_stats,
+        request.error,
+        bool(new_token_ids) and len(new_token_ids) == len(request.output_token_ids),
+    )
+
+
+class JoinedDeltas:
+    """A request's deltas (`make_request_delta` tuples) as they come, taken as one
+    RequestOutput with the cumulative fields rebuilt: `JoinedOutputs` for deltas."""
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self._prompt_token_ids = prompt_token_ids
+        self._token_ids: list[int] = []
+        self._text = ""
+        self._logprobs: list[Any] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._last: tuple | None = None
+        self._new_token_ids: list[int] = []
+        self._new_text_parts: list[str] = []
+        self._new_logprobs: list[Any] = []
+
+    def __bool__(self) -> bool:
+        return self._last is not None
+
+    def add(self, delta: tuple) -> None:
+        self._last = delta
+        self._new_token_ids.extend(delta[1])
+        self._new_text_parts.append(delta[2])
+        if delta[6] is not None:
+            self._new_logprobs.extend(delta[6])
+
+    def take(self) -> RequestOutput:
+        """Every delta added since the last `take` (at least one), as one output."""
+        (rid, _, _, finished, reason, stop, logprobs, prompt, cached, spec, error, _) = self._last
+        new_text = "".join(self._new_text_parts)
+        self._token_ids.extend(self._new_token_ids)
+        self._text += new_text
+        if logprobs is not None:
+            self._logprobs.extend(self._new_logprobs)
+        joined = RequestOutput(
+            request_id=rid,
+            prompt_token_ids=self._prompt_token_ids,
+            token_ids=list(self._token_ids),
+            new_token_ids=self._new_token_ids,
+            text=self._text,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=reason,
+            stop_reason=stop,
+            logprobs=list(self._logprobs) if logprobs is not None else None,
+            num_prompt_tokens=prompt,
+            num_cached_tokens=cached,
+            spec=spec,
+            error=error,
+            new_logprobs=self._new_logprobs if logprobs is not None else None,
+        )
+        self._reset()
+        return joined
 
 
 def join_outputs(outputs: list[RequestOutput]) -> RequestOutput:

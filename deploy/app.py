@@ -72,6 +72,11 @@ class AppArgs(BaseModel):
     # spaced by streams / this; 0: one chunk per engine step; None: 50 per core of the node, at
     # most 800). See deploy/model_server.py.
     stream_chunks_per_s: float | None = Field(None, ge=0)
+    # Where the engine's step loop runs in its replica: a process of its own (True), a thread
+    # of the replica's process (False), or None: its own process on a node of at least
+    # deploy.model_server.MIN_CORES_FOR_ENGINE_PROCESS cores. Only engines whose executor runs
+    # in the engine's process (TP=1) can; the Ray executor's (TP>1) stay on a thread.
+    engine_process: bool | None = None
     # One log line per request in each replica (Serve's access log).
     access_log: bool = False
     # One deployment: the ingress with the engine in its process (deploy/openai_server.py);
@@ -183,6 +188,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             ingress_limits(args),
             args.api_key,
             metrics_hub,
+            engine_process=args.engine_process,
         )
     routing: dict[str, Any] = {}
     if args.prefix_aware_routing:
@@ -206,7 +212,12 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         logging_config={"enable_access_log": args.access_log},
     )
     return ingress.bind(
-        model_server.bind(engine_config_dict(args), args.stream_chunks_per_s, metrics_hub),
+        model_server.bind(
+            engine_config_dict(args),
+            args.stream_chunks_per_s,
+            metrics_hub,
+            engine_process=args.engine_process,
+        ),
         ingress_limits(args),
         args.api_key,
         metrics_hub,

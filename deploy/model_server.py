@@ -55,6 +55,17 @@ STREAM_CHUNKS_PER_S_PER_CORE = 50.0
 MAX_AUTO_STREAM_CHUNKS_PER_S = 800.0
 
 
+# AppArgs.engine_process None: the engine in a process of its own on nodes of this many cores
+# or more. Below, the engine's process and the replica's would share too few cores.
+MIN_CORES_FOR_ENGINE_PROCESS = 4
+
+
+def resolve_engine_process(engine_process: bool | None) -> bool:
+    if engine_process is not None:
+        return engine_process
+    return (os.cpu_count() or 1) >= MIN_CORES_FOR_ENGINE_PROCESS
+
+
 def resolve_stream_chunks_per_s(chunks_per_s: float | None) -> float:
     if chunks_per_s is not None:
         return chunks_per_s
@@ -116,6 +127,7 @@ class ModelServer:
         engine_config: dict,
         stream_chunks_per_s: float | None = None,
         metrics_hub=None,
+        engine_process: bool | None = None,
     ):
         if engine_config.get("model") is None:
             from workers.default_model import default_model_path
@@ -124,8 +136,14 @@ class ModelServer:
         self._config = EngineConfig.from_dict(engine_config)
         started = time.perf_counter()
         self._stream_chunks_per_s = resolve_stream_chunks_per_s(stream_chunks_per_s)
-        self._engine = AsyncEngine(self._config, self._stream_chunks_per_s)
-        warm_up = self._engine.engine.warm_up
+        # The engine's step loop in a process of its own (where its executor allows): this
+        # replica's threads and the engine never wait for one interpreter lock.
+        self._engine = AsyncEngine(
+            self._config,
+            self._stream_chunks_per_s,
+            own_process=resolve_engine_process(engine_process),
+        )
+        warm_up = self._engine.warm_up
         # Serve marks the replica ready only after __init__ returns: the engine is warm by then.
         logger.info(
             "engine for %s ready in %.1f s, of which warm-up %.1f s (%d CUDA graphs) (%s)",
@@ -133,14 +151,18 @@ class ModelServer:
             time.perf_counter() - started,
             warm_up.seconds,
             warm_up.num_graphs,
-            self._engine.engine.config,  # resolved: the draft length and context chosen
+            self._engine.resolved_config,  # the draft length and context chosen
         )
         self._metrics = ReplicaMetrics(self._engine.model_name)
         self._metrics_hub = metrics_hub
         self._replica_id = current_replica_id()
         self._stats_task: asyncio.Task | None = None
         self._first_report: asyncio.Future | None = None  # done once the first report went
-        logger.info("streamed chunks: at most %.0f per second", self._stream_chunks_per_s)
+        logger.info(
+            "streamed chunks: at most %.0f per second; engine step loop %s",
+            self._stream_chunks_per_s,
+            f"in process {self._engine.pid}" if self._engine.own_process else "on a thread",
+        )
 
     async def model_info(self) -> ModelInfo:
         """What the ingress asks first, while it starts: the replica's first metrics report (a

@@ -87,10 +87,11 @@ class OpenAIServer(OpenAIIngress):
         limits: IngressLimits | None = None,
         api_key: str | None = None,
         metrics_hub=None,
+        engine_process: bool | None = None,
     ):
         # Seconds of loading and warm-up: off the event loop, which Serve already runs.
         self._server = await asyncio.to_thread(
-            ModelServer, engine_config, stream_chunks_per_s, metrics_hub
+            ModelServer, engine_config, stream_chunks_per_s, metrics_hub, engine_process
         )
         # `/metrics` asks the hub, like the two-deployment app: a scrape reaches one replica,
         # and must see all of them.

@@ -1,4 +1,6 @@
-"""AsyncEngine: streaming, aborts, overload, and recovery after a failed step (TP=1)."""
+"""AsyncEngine: streaming, aborts, overload, and recovery after a failed step (TP=1); with the
+step loop on a thread and in a process of its own (tests/cluster/test_engine_process.py has
+what only the latter does)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,18 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture
-def engine(tiny_model_dir):
+MODES = pytest.mark.parametrize("own_process", [False, True], ids=["thread", "process"])
+
+
+@pytest.fixture(params=[False, True], ids=["thread", "process"])
+def engine(tiny_model_dir, request):
     engine = AsyncEngine(
         EngineConfig(
             model=tiny_model_dir, num_draft_tokens=0, dtype="float32", max_queued_requests=2
-        )
+        ),
+        own_process=request.param,
     )
+    assert engine.own_process == request.param
     yield engine
     asyncio.run(engine.shutdown())
 
@@ -62,8 +69,7 @@ def test_a_request_not_streamed_gets_one_output_and_every_tokens_time(engine, ti
 
     async def run():
         return [
-            o
-            async for o in engine.generate(PROMPT, _greedy(12), stream=False, timings=timings)
+            o async for o in engine.generate(PROMPT, _greedy(12), stream=False, timings=timings)
         ]
 
     outs = asyncio.run(run())
@@ -78,12 +84,14 @@ def test_a_request_not_streamed_gets_one_output_and_every_tokens_time(engine, ti
     assert all(dt >= 0 for _, dt in timings.later)
 
 
-def test_a_paced_stream_joins_steps_and_keeps_the_text(tiny_model_dir):
+@MODES
+def test_a_paced_stream_joins_steps_and_keeps_the_text(tiny_model_dir, own_process):
     # 1 stream output per second: the first at once, the rest of 40 tokens (well under a
     # second on the CPU tiny model) in the final output.
     engine = AsyncEngine(
         EngineConfig(model=tiny_model_dir, num_draft_tokens=0, dtype="float32"),
         stream_chunks_per_s=1.0,
+        own_process=own_process,
     )
     try:
         outs = asyncio.run(_collect(engine, PROMPT, _greedy(40)))
@@ -120,7 +128,8 @@ def test_bad_input_is_an_invalid_request(engine):
         asyncio.run(_collect(engine, [10**7], _greedy(2)))  # token id outside the vocabulary
 
 
-def test_queue_past_max_queued_requests_is_overload(tiny_model_dir):
+@MODES
+def test_queue_past_max_queued_requests_is_overload(tiny_model_dir, own_process):
     # One running sequence at a time and at most 2 waiting: of 4 long requests one is refused.
     config = EngineConfig(
         model=tiny_model_dir,
@@ -129,7 +138,7 @@ def test_queue_past_max_queued_requests_is_overload(tiny_model_dir):
         max_queued_requests=2,
         max_num_seqs=1,
     )
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config, own_process=own_process)
 
     async def run():
         streams = [engine.generate(PROMPT, _greedy(300), f"q{i}") for i in range(4)]
@@ -151,7 +160,17 @@ def test_queue_past_max_queued_requests_is_overload(tiny_model_dir):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_failed_step_errors_every_request_then_restart_serves(engine, monkeypatch):
+@pytest.fixture
+def thread_engine(tiny_model_dir):
+    """The step loop on a thread, whose executor a test can reach (an engine process's
+    failure: test_engine_process.py kills it)."""
+    engine = AsyncEngine(EngineConfig(model=tiny_model_dir, num_draft_tokens=0, dtype="float32"))
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+def test_failed_step_errors_every_request_then_restart_serves(thread_engine, monkeypatch):
+    engine = thread_engine
     real = engine.engine.executor.execute
 
     def broken(step):

@@ -1,0 +1,234 @@
+"""The engine in a process of its own: its step loop never shares a GIL with its caller.
+
+Why: in a Serve replica the engine's loop thread (scheduling, the model runner's host work,
+detokenizing) and the replica's own threads (Ray's receiving and sending of calls, Serve's event
+loops) took turns on one interpreter lock. On the H200 (tiny model, 128 requests not streamed)
+a call from the ingress waited ~150 ms at p50 for the replica to take it, and the engine ran
+each request a third slower than it does alone. This is the split every fast serving engine
+makes: the front (HTTP, Serve, pacing of streams) in one process, the step loop in another, one
+message per step between them.
+
+    EngineProcess(config)           starts `python -m cluster.engine_process FD`, sends it the
+                                    config, waits until its engine is loaded and warm
+    .send(("add" | "abort", ...))   commands, applied between two steps
+    .recv()                         one message per step: ("step", outputs, aborted ids, stats
+                                    or None, dead reason or None); ("probe", token, error)
+
+The two ends talk over a socketpair (pickled messages: `multiprocessing.connection`). Outputs
+cross as deltas (`cluster.outputs.make_request_delta`: tuples, without the fields that grow
+with the request); the caller rebuilds the rest (`cluster.outputs.JoinedDeltas`). If this
+process dies the other end reads EOF; if the caller dies this process exits within a second.
+
+Runs only engines whose executor lives in the engine's own process (TP=1, or an executor class
+of one's own): the Ray executor's workers are actors of the replica's placement group, which a
+process outside Ray cannot place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from cluster.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# The engine process sends its stats this often while requests run (and whenever one ends).
+STATS_PERIOD_S = 0.25
+# How long an idle engine process waits for a command before it looks again.
+IDLE_POLL_S = 0.5
+# How often the engine process checks that its caller is still alive.
+ORPHAN_CHECK_S = 1.0
+
+
+def runs_in_own_process(config: EngineConfig) -> bool:
+    """Whether `config`'s executor can run inside an engine process (see the module doc)."""
+    kind = config.executor
+    if kind == "auto":
+        return config.tp_size == 1
+    return kind != "ray"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the caller needs of an engine it cannot reach into."""
+
+    config: EngineConfig  # resolved: the context and draft length chosen
+    warm_up: Any  # workers.worker.WarmUp
+    max_model_len: int
+    sampling_defaults: dict
+    stats: Any  # cluster.engine.EngineStats when it was ready (None: not sent)
+
+
+class EngineStartError(RuntimeError):
+    """The engine process failed before it was ready (its traceback is in the message)."""
+
+
+class EngineProcess:
+    """The caller's end: starts the engine process and talks to it. `send` may be called from
+    any thread; `recv` from one thread only."""
+
+    def __init__(self, config: EngineConfig):
+        mine, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The engine process imports what this one can (a Ray worker's sys.path is not only
+        # PYTHONPATH: runtime environments and working directories add to it).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        started = time.perf_counter()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "cluster.engine_process", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+        )
+        theirs.close()
+        self._conn = Connection(mine.detach())
+        self._send_lock = threading.Lock()
+        self.send(("config", config))
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            message = ("failed", f"the engine process exited with code {self._process.wait()}")
+        if message[0] != "ready":
+            self.kill()
+            raise EngineStartError(message[1])
+        self.info: EngineInfo = message[1]
+        logger.info(
+            "engine process %d ready in %.1f s", self._process.pid, time.perf_counter() - started
+        )
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def send(self, message: tuple) -> None:
+        """Raises OSError (BrokenPipeError) once the engine process is gone."""
+        with self._send_lock:
+            self._conn.send(message)
+
+    def recv(self) -> tuple:
+        """The next message; EOFError or OSError once the engine process is gone."""
+        return self._conn.recv()
+
+    def exit_status(self) -> str:
+        code = self._process.poll()
+        return "still running" if code is None else f"exited with code {code}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine to shut down (its workers, its memory), then make sure it is gone."""
+        try:
+            self.send(("shutdown",))
+            self._process.wait(timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._conn.close()
+
+
+# --- the engine process's side -------------------------------------------------------------------
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """End this process once the one that started it is gone (it was reparented), whatever the
+    step loop is doing. (PR_SET_PDEATHSIG would fire when the starting *thread* ends, and a
+    replica may start its engine from a pool thread.)"""
+    while os.getppid() == parent_pid:
+        time.sleep(ORPHAN_CHECK_S)
+    os._exit(1)
+
+
+def _serve(conn: Connection, loop) -> None:
+    """Turn after turn: read the commands that came, run a turn, send what it gave."""
+    from cluster.engine_loop import Refusal, portable
+
+    last_stats_s = 0.0
+    while True:
+        commands, probes = [], []
+        timeout = 0.0 if loop.busy else IDLE_POLL_S
+        while conn.poll(timeout):
+            message = conn.recv()
+            timeout = 0.0
+            kind = message[0]
+            if kind == "shutdown":
+                return
+            if kind == "probe":
+                probes.append(message[1])
+            else:  # "command": an Add or an Abort
+                commands.append(message[1])
+        outputs, aborted = loop.turn(commands)
+        for token in probes:
+            try:
+                loop.engine.check_health()
+                conn.send(("probe", token, None))
+            except Exception as e:  # noqa: BLE001 - the caller's probe fails with it
+                conn.send(("probe", token, f"{type(e).__name__}: {e}"))
+        now_s = time.monotonic()
+        stats = None
+        # Also whenever a request ends, so that the caller's figures agree with its outputs.
+        ended = aborted or any(isinstance(o, tuple) and o[3] for o in outputs)
+        if ended or now_s - last_stats_s >= STATS_PERIOD_S:
+            stats, last_stats_s = loop.engine.stats(), now_s
+        if outputs or aborted or stats is not None:
+            sent = [
+                Refusal(o.request_id, portable(o.error)) if isinstance(o, Refusal) else o
+                for o in outputs
+            ]
+            conn.send(("step", sent, aborted, stats, loop.dead))
+
+
+def main(argv: list[str]) -> int:
+    threading.Thread(
+        target=_exit_when_orphaned, args=(os.getppid(),), name="orphan-check", daemon=True
+    ).start()
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    conn = Connection(int(argv[1]))
+    _, config = conn.recv()
+    try:
+        from cluster.engine import LLMEngine
+        from cluster.engine_loop import EngineLoop
+
+        engine = LLMEngine(config)
+        engine.deltas_only = True  # the caller keeps the cumulative fields
+    except BaseException as e:  # noqa: BLE001 - the caller raises it
+        import traceback
+
+        logger.exception("the engine failed to start")
+        conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return 1
+    info = EngineInfo(
+        engine.config,
+        engine.warm_up,
+        engine.max_model_len,
+        engine.sampling_defaults,
+        engine.stats(),
+    )
+    conn.send(("ready", info))
+    try:
+        _serve(conn, EngineLoop(engine))
+    except (EOFError, OSError):  # the caller is gone
+        pass
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    # Through the module's own name, so that what it sends (EngineInfo) unpickles as
+    # cluster.engine_process's, not as this __main__'s.
+    from cluster.engine_process import main as _main
+
+    sys.exit(_main(sys.argv))

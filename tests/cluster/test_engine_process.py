@@ -1,0 +1,165 @@
+"""The engine in a process of its own (cluster/engine_process.py): what crosses the process
+boundary arrives whole, a dead engine process fails its requests and is rebuilt, and a start
+that fails says why."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from cluster.async_engine import AsyncEngine, EngineDeadError
+from cluster.config import EngineConfig
+from cluster.engine_process import EngineStartError, runs_in_own_process
+from cluster.sampling_params import InvalidRequestError, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 4, 99], [17] * 40]
+
+
+def _config(model: str, **kw) -> EngineConfig:
+    return EngineConfig(model=model, num_draft_tokens=0, dtype="float32", **kw)
+
+
+async def _run(engine: AsyncEngine, prompt, params, stream: bool, request_id=None):
+    return [o async for o in engine.generate(prompt, params, request_id, stream=stream)]
+
+
+def _all(engine: AsyncEngine, jobs) -> list[list]:
+    async def run():
+        return await asyncio.gather(*(_run(engine, *job) for job in jobs))
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def process_engine(tiny_model_dir):
+    engine = AsyncEngine(_config(tiny_model_dir), stream_chunks_per_s=200.0, own_process=True)
+    assert engine.own_process and engine.pid != os.getpid()
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+def test_outputs_equal_the_thread_modes_field_by_field(tiny_model_dir, process_engine):
+    # Sampled with a seed, with logprobs and a stop string: every cumulative field rebuilt
+    # from the deltas must be what the engine on a thread builds itself.
+    jobs = []
+    for i, prompt in enumerate(PROMPTS):
+        for stream in (True, False):
+            params = SamplingParams(
+                max_tokens=24, temperature=0.8, seed=7 + i, logprobs=2, stop=["e"]
+            )
+            jobs.append((prompt, params, stream, f"r{i}-{stream}"))
+    thread_engine = AsyncEngine(_config(tiny_model_dir), stream_chunks_per_s=200.0)
+    try:
+        expected = _all(thread_engine, jobs)
+    finally:
+        asyncio.run(thread_engine.shutdown())
+    got = _all(process_engine, jobs)
+    for want, have in zip(expected, got):
+        last_want, last_have = want[-1], have[-1]
+        for name in (
+            "prompt_token_ids",
+            "token_ids",
+            "text",
+            "finish_reason",
+            "stop_reason",
+            "logprobs",
+            "num_prompt_tokens",
+            "error",
+        ):
+            assert getattr(last_have, name) == getattr(last_want, name), name
+        # The deltas add up to the whole, whatever the pacing joined.
+        assert [t for o in have for t in o.new_token_ids] == last_have.token_ids
+        assert "".join(o.new_text for o in have) == last_have.text
+        assert [e for o in have for e in o.new_logprobs] == last_have.logprobs
+    assert any(o[-1].finish_reason == "stop" for o in got)  # the stop string was exercised
+    stats = process_engine.stats()
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+    assert sum(stats.num_finished.values()) == len(jobs)
+
+
+def test_a_refusal_crosses_with_its_param(process_engine):
+    with pytest.raises(InvalidRequestError) as err:
+        asyncio.run(_run(process_engine, PROMPTS[0], SamplingParams(max_tokens=-1), True))
+    assert err.value.param == "max_tokens"
+    # The engine goes on serving.
+    outs = asyncio.run(_run(process_engine, PROMPTS[0], SamplingParams(max_tokens=3), False))
+    assert outs[-1].finished and len(outs[-1].token_ids) == 3
+
+
+def test_a_killed_engine_process_fails_its_requests_and_restart_serves(process_engine):
+    async def run():
+        stream = process_engine.generate(
+            PROMPTS[0], SamplingParams(max_tokens=2000, ignore_eos=True), "victim"
+        )
+        first = await stream.__anext__()
+        assert not first.finished
+        os.kill(process_engine.pid, signal.SIGKILL)
+        return [o async for o in stream]
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(run())
+    assert process_engine.is_dead
+    with pytest.raises(EngineDeadError):  # refused at once, not hung
+        asyncio.run(_run(process_engine, PROMPTS[0], SamplingParams(max_tokens=2), False))
+    with pytest.raises(EngineDeadError):
+        asyncio.run(process_engine.check_health())
+    old_pid = process_engine.pid
+    process_engine.restart()
+    assert process_engine.pid != old_pid and not process_engine.is_dead
+    outs = asyncio.run(_run(process_engine, PROMPTS[1], SamplingParams(max_tokens=4), True))
+    assert outs[-1].finished and len(outs[-1].token_ids) == 4
+    asyncio.run(process_engine.check_health())
+
+
+def test_a_failed_start_raises_the_engine_processes_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(EngineStartError) as err:
+        AsyncEngine(_config(str(tmp_path)), own_process=True)
+    assert "Traceback" in str(err.value)  # the engine process's own account of it
+
+
+def test_which_executors_run_in_an_engine_process(tiny_model_dir):
+    assert runs_in_own_process(_config(tiny_model_dir))  # TP=1, in-process executor
+    assert runs_in_own_process(_config(tiny_model_dir, executor="a.module:Executor"))
+    assert not runs_in_own_process(_config(tiny_model_dir, executor="ray"))
+    assert not runs_in_own_process(_config(tiny_model_dir, tp_size=2))
+
+
+def test_the_engine_process_ends_when_its_caller_is_killed(tiny_model_dir):
+    # A replica killed outright (OOM, SIGKILL) must not leave its engine holding the device.
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from cluster.async_engine import AsyncEngine\n"
+        "from cluster.config import EngineConfig\n"
+        f"e = AsyncEngine(EngineConfig(model={tiny_model_dir!r}, num_draft_tokens=0, "
+        "dtype='float32'), own_process=True)\n"
+        "print(e.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    caller = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    try:
+        engine_pid = int(caller.stdout.readline())
+        os.kill(engine_pid, 0)  # alive
+        caller.kill()
+        caller.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:  # gone, or a zombie nobody reaped yet
+                with open(f"/proc/{engine_pid}/stat") as stat:
+                    if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        return
+            except FileNotFoundError:
+                return
+            time.sleep(0.1)
+        pytest.fail(f"engine process {engine_pid} outlived its caller")
+    finally:
+        caller.kill()
