@@ -2,7 +2,7 @@
 
     python benchmarks/bench_serve.py [--model DIR | --default-model] [--tp 1] [--num-draft-tokens 0]
         [--concurrency 1,8,32,128] [--max-tokens 128] [--prompt-len 32] [--rounds 2]
-        [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--colocate]
+        [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--no-colocate]
         [--repeat 1] [--[no-]interleave] [--executor MODULE:CLASS] [--json PATH]
 
 Same checkpoint, device and engine settings for every path (the tiny random checkpoint unless
@@ -390,7 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         "(no model: what the serving path alone carries)",
     )
     ap.add_argument(
-        "--colocate", action="store_true", help="one deployment: ingress and engine together"
+        "--colocate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one deployment, ingress and engine together (default, as `mtpserve serve`); "
+        "--no-colocate: the ingress and the model server apart",
     )
     ap.add_argument(
         "--stream-chunks-per-s",

@@ -3,16 +3,16 @@
 # (bench_serve) and the TP executor's per-step overhead (bench_tp_step). Run from the repository
 # root with .raydev/raysite.tar.xz there (bash ../shared/gpu/ray-bundle.sh makes it). One part
 # per call keeps each under the device's 10-minute limit; a second argument "colocated" serves
-# ingress and engine as one deployment (AppArgs.colocate) instead of two ("two" for the default
-# shape when passing more bench_serve arguments after it); "-proxy" after either ("two-proxy",
+# ingress and engine as one deployment (AppArgs.colocate, what `mtpserve serve` deploys), "two"
+# as two deployments (ingress, model server); "-proxy" after either ("two-proxy",
 # "colocated-proxy") sends HTTP through Serve's proxy instead of the ingress replica directly:
 #   bash benchmarks/gpu_serve_runs.sh tp_step               # 2 GPUs: per-step overhead, TP=2 vs 1
-#   bash benchmarks/gpu_serve_runs.sh tiny_tp1 [colocated]  # tiny model, TP=1
-#   bash benchmarks/gpu_serve_runs.sh tiny_tp2 [colocated]  # 2 GPUs: tiny model, TP=2
-#   bash benchmarks/gpu_serve_runs.sh default_tp1 [colocated]  # the default model, MTP k=3
-#   bash benchmarks/gpu_serve_runs.sh default_tp2 [colocated]  # 2 GPUs: the default model, TP=2
-# JSON lands in $OUT (the device's output folder) or /tmp/bench_serve; tables go to stdout.
-# httpx is not in the Ray bundle: bench_serve falls back to aiohttp, which the machine has.
+#   bash benchmarks/gpu_serve_runs.sh tiny_tp1 [colocated|two]  # tiny model, TP=1
+#   bash benchmarks/gpu_serve_runs.sh tiny_tp2 [colocated|two]  # 2 GPUs: tiny model, TP=2
+#   bash benchmarks/gpu_serve_runs.sh default_tp1 [colocated|two]  # the default model, MTP k=3
+#   bash benchmarks/gpu_serve_runs.sh default_tp2 [colocated|two]  # 2 GPUs: the default model, TP=2
+# No shape: bench_serve's default (colocated). JSON lands in $OUT (the device's output folder) or
+# /tmp/bench_serve; tables go to stdout.
 set -euo pipefail
 part=${1:-tiny_tp1}
 shape=${2:-}
@@ -30,7 +30,10 @@ serve_pair() {  # $1: name; the rest: bench_serve arguments (offline and HTTP in
   local name=$1
   shift
   local extra=()
-  case $shape in colocated*) extra=(--colocate); name=$name-colocated ;; esac
+  case $shape in
+    colocated*) extra=(--colocate); name=$name-colocated ;;
+    two*) extra=(--no-colocate) ;;
+  esac
   case $shape in *-proxy) extra+=(--proxy); name=$name-proxy ;; esac
   python3 benchmarks/bench_serve.py --device cuda --concurrency $levels --max-tokens 128 \
     --actor-num-cpus 1 ${extra[@]+"${extra[@]}"} "$@" ${more[@]+"${more[@]}"} \

@@ -2,14 +2,13 @@
 its own (`own_process`: cluster/engine_process.py says why); each request's outputs reach its
 caller through an asyncio queue.
 
-Pacing: the loop thread decides when a request's outputs cross to its caller, so a step costs the
-caller's event loop work only for the requests that are due. A streamed request gets its first
-output at once, then at most one output (every step since the last one, joined) per stream
-interval: `stream_chunks_per_s` spread over the streams in flight (0: one per step); a request
-that is not streamed gets one output, when it finishes. Before, every request woke its caller's
-event loop every step, and that Python work, sharing the GIL with this loop, cost more than the
-step itself at a few dozen requests. When each token was produced still reaches the caller
-(`TokenTimings`), for latency metrics.
+Pacing (`cluster.engine_loop.Pacer`): where the step loop runs, it decides when a request's
+outputs cross to its caller (a stream's first at once, then at most one per stream interval; a
+request not streamed, one when it finishes), so a step costs the caller's event loop work only
+for the requests that are due. Before, every request woke its caller's event loop every step,
+and that Python work, sharing the GIL with the loop, cost more than the step itself at a few
+dozen requests. When each token was produced still reaches the caller (`TokenTimings`), for
+latency metrics.
 
 Failure: a request that fails inside a step fails alone (`LLMEngine.step` isolates it; its
 caller gets `RequestFailedError`). If the workers fail (a rank died or hung past the step
@@ -28,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.config import EngineConfig
@@ -36,14 +35,16 @@ from cluster.engine import EngineStats, LLMEngine, load_tokenizer
 from cluster.engine_loop import (
     Abort,
     Add,
+    Delivery,
     EngineDeadError,
     EngineLoop,
     EngineOverloadedError,
     Refusal,
     RequestFailedError,
+    stream_interval_s,
 )
 from cluster.engine_process import EngineInfo, EngineProcess, runs_in_own_process
-from cluster.outputs import JoinedDeltas, JoinedOutputs, RequestOutput, join_outputs
+from cluster.outputs import JoinedDeltas, RequestOutput, join_outputs
 from cluster.sampling_params import SamplingParams
 
 __all__ = [
@@ -72,23 +73,14 @@ class TokenTimings(Protocol):
     def later_tokens(self, num_tokens: int, since_previous_s: float) -> None: ...
 
 
-def stream_interval_s(num_streams: int, chunks_per_s: float) -> float:
-    """The least time between two outputs of one stream when `num_streams` stream at once and
-    the engine sends at most `chunks_per_s` stream outputs in all (0: no pacing, one per step)."""
-    return num_streams / chunks_per_s if chunks_per_s > 0 else 0.0
-
-
 @dataclass
 class _Subscriber:
-    """A request's caller, as the loop thread sees it."""
+    """A request's caller, as the receiving side sees it."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    stream: bool
-    # Not yet sent. The engine in its own process sends deltas (tuples): JoinedDeltas.
-    pending: JoinedOutputs | JoinedDeltas = field(default_factory=JoinedOutputs)
-    token_stamps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, when)
-    next_send_s: float = 0.0  # time.perf_counter(); 0: the next output goes at once
+    # The engine in its own process sends deltas: their cumulative fields are rebuilt here.
+    cumulative: JoinedDeltas | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +151,6 @@ class AsyncEngine:
         self.config = config
         self.stream_chunks_per_s = stream_chunks_per_s
         self._subscribers: dict[str, _Subscriber] = {}
-        self._num_streams = 0  # streamed requests in flight (written by callers' loops only)
         self._dead: str | None = None
         self._stopping = False
         self._aborting: dict[str, list[asyncio.Future]] = {}  # done once the blocks are free
@@ -174,7 +165,7 @@ class AsyncEngine:
                 logger.info("the %s executor runs the engine on a thread", config.executor)
             self.engine = LLMEngine(config)
             self._tokenizer = self.engine.tokenizer
-            self._core = EngineLoop(self.engine)
+            self._core = EngineLoop(self.engine, stream_chunks_per_s)
             self._info = EngineInfo(
                 self.engine.config,
                 self.engine.warm_up,
@@ -227,11 +218,11 @@ class AsyncEngine:
             while self._inbox:
                 commands.append(self._inbox.popleft())
             with self._lock:
-                outputs, aborted = self._core.turn(commands)
+                due, aborted = self._core.turn(commands)
                 busy = self._core.busy
                 if self._core.dead is not None:
                     self._dead = self._core.dead
-            self._after_turn(outputs, aborted)
+            self._after_turn(due, aborted)
             if not busy:
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
@@ -239,7 +230,7 @@ class AsyncEngine:
     # --- the receiving thread (engine in its own process) -----------------------------------------
 
     def _start_process(self, config: EngineConfig) -> None:
-        self._process = EngineProcess(config)
+        self._process = EngineProcess(config, self.stream_chunks_per_s)
         self._info = self._process.info
         self._stats = self._info.stats
         self._probes: dict[str, asyncio.Future] = {}
@@ -257,12 +248,12 @@ class AsyncEngine:
                     self._lost(process)
                 return
             if message[0] == "step":
-                _, outputs, aborted, stats, dead = message
+                _, due, aborted, stats, dead = message
                 if stats is not None:
                     self._stats = stats
                 if dead is not None:
                     self._dead = dead
-                self._after_turn(outputs, aborted)
+                self._after_turn(due, aborted)
             elif message[0] == "probe":
                 _, token, error = message
                 future = self._probes.pop(token, None)
@@ -276,7 +267,11 @@ class AsyncEngine:
         logger.error("%s", self._dead)
         error = f"engine failure: {self._dead}"
         failed = [
-            (request_id, [], "", True, "error", None, None, 0, 0, None, error, False)
+            (
+                request_id,
+                (request_id, [], "", True, "error", None, None, 0, 0, None, error, False),
+                [],
+            )
             for request_id in list(self._subscribers)
         ]
         with self._aborting_lock:
@@ -300,46 +295,32 @@ class AsyncEngine:
             if isinstance(command, Add):
                 raise EngineDeadError(self._dead or "the engine process is gone") from None
 
-    def _after_turn(
-        self, outputs: list[RequestOutput | tuple | Refusal], aborted: list[str]
-    ) -> None:
+    def _after_turn(self, due: list[Delivery | Refusal], aborted: list[str]) -> None:
         for request_id in aborted:
             with self._aborting_lock:
                 waiters = self._aborting.pop(request_id, [])
             for future in waiters:
                 _resolve_soon(future)
-        if outputs:
-            self._deliver(outputs)
+        if due:
+            self._deliver(due)
 
-    def _deliver(self, outputs: list[RequestOutput | tuple | Refusal]) -> None:
-        """Hand what is due to the callers: one callback per caller event loop for the step.
-        `outputs`: RequestOutputs (the engine on a thread) or deltas (`make_request_delta`
-        tuples, the engine in its own process), and refusals."""
-        now_s = time.perf_counter()
-        interval_s = stream_interval_s(self._num_streams, self.stream_chunks_per_s)
+    def _deliver(self, due: list[Delivery | Refusal]) -> None:
+        """Hand what the loop paced to the callers: one callback per caller event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            if isinstance(out, tuple):
-                request_id, new_token_ids, finished = out[0], out[1], out[3]
-            else:
-                request_id = out.request_id
-                new_token_ids = None if isinstance(out, Refusal) else out.new_token_ids
-                finished = None if isinstance(out, Refusal) else out.finished
+        for item in due:
+            if isinstance(item, Refusal):
+                sub = self._subscribers.get(item.request_id)
+                if sub is not None:
+                    by_loop.setdefault(sub.loop, []).append((sub.queue, item))
+                continue
+            request_id, output, token_stamps = item
             sub = self._subscribers.get(request_id)
             if sub is None:
                 continue
-            if isinstance(out, Refusal):
-                by_loop.setdefault(sub.loop, []).append((sub.queue, out))
-                continue
-            sub.pending.add(out)
-            if new_token_ids:
-                sub.token_stamps.append((len(new_token_ids), now_s))
-            if not (finished or (sub.stream and now_s >= sub.next_send_s)):
-                continue  # joins a later output
-            delivery = _Delivery(sub.pending.take(), sub.token_stamps)
-            sub.token_stamps = []
-            sub.next_send_s = now_s + interval_s
-            by_loop.setdefault(sub.loop, []).append((sub.queue, delivery))
+            if sub.cumulative is not None:  # a delta from the engine's own process
+                sub.cumulative.add(output)
+                output = sub.cumulative.take()
+            by_loop.setdefault(sub.loop, []).append((sub.queue, _Delivery(output, token_stamps)))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -365,16 +346,13 @@ class AsyncEngine:
             raise EngineDeadError(self._dead)
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
-        pending = JoinedDeltas(list(prompt_token_ids)) if self._process else JoinedOutputs()
-        self._subscribers[request_id] = _Subscriber(
-            asyncio.get_running_loop(), queue, stream, pending=pending
-        )
-        self._num_streams += stream
+        cumulative = JoinedDeltas(list(prompt_token_ids)) if self._process else None
+        self._subscribers[request_id] = _Subscriber(asyncio.get_running_loop(), queue, cumulative)
         arrived_s = time.perf_counter()
         last_stamp_s: float | None = None
         finished = False
         try:
-            self._post(Add(request_id, prompt_token_ids, params))
+            self._post(Add(request_id, prompt_token_ids, params, stream))
             while True:
                 item: _Delivery | Refusal = await queue.get()
                 if isinstance(item, Refusal):
@@ -401,7 +379,6 @@ class AsyncEngine:
             raise
         finally:
             self._subscribers.pop(request_id, None)
-            self._num_streams -= stream
             if not finished:  # the caller went away (disconnect, cancel): free its blocks
                 await self.abort(request_id)
 
@@ -464,7 +441,7 @@ class AsyncEngine:
             except Exception:
                 logger.exception("shutting down the failed engine")
             self.engine = LLMEngine(self.engine.config)
-            self._core = EngineLoop(self.engine)
+            self._core = EngineLoop(self.engine, self.stream_chunks_per_s)
             self._dead = None
 
     def stats(self) -> EngineStats:

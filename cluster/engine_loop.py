@@ -1,19 +1,30 @@
-"""One turn of the engine's step loop: admit and abort what callers posted, then step.
+"""One turn of the engine's step loop: admit and abort what callers posted, step, and say which
+requests' outputs are due to their callers.
 
 `EngineLoop` is the loop's body, whichever side runs it: a thread of the caller's process
 (`cluster.async_engine.AsyncEngine`), or the main loop of the engine's own process
-(`cluster.engine_process`). The commands it takes and the refusals it returns are plain data, so
-they cross a process boundary as they are.
+(`cluster.engine_process`). The commands it takes and what it returns are plain data, so they
+cross a process boundary as they are.
+
+Pacing (`Pacer`): the loop decides when a request's outputs cross to its caller, so a step costs
+the caller work only for the requests that are due. A streamed request gets its first output at
+once, then at most one output (every step since the last one, joined) per stream interval:
+`stream_chunks_per_s` spread over the streams in flight (0: one per step); a request that is not
+streamed gets one output, when it finishes. When each step's tokens were produced goes with each
+output (`time.perf_counter()` stamps: one clock for every process of a host), for latency
+metrics. Pacing where the engine runs means that the engine's own process sends a message only
+when some request is due, not every step.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from cluster.engine import LLMEngine
-from cluster.outputs import RequestOutput
+from cluster.outputs import DeltaJoin, JoinedOutputs, RequestOutput
 from cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,6 +47,7 @@ class Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -60,14 +72,89 @@ def portable(error: Exception) -> Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+def stream_interval_s(num_streams: int, chunks_per_s: float) -> float:
+    """The least time between two outputs of one stream when `num_streams` stream at once and
+    the engine sends at most `chunks_per_s` stream outputs in all (0: no pacing, one per step)."""
+    return num_streams / chunks_per_s if chunks_per_s > 0 else 0.0
+
+
+# What a turn hands the callers: (request id, the output joined since the last one, the
+# (num tokens, perf_counter stamp) of each step it joins). The output is a RequestOutput, or a
+# `make_request_delta` tuple from an engine that builds deltas (`LLMEngine.deltas_only`).
+Delivery = tuple
+
+
+@dataclass
+class _Paced:
+    stream: bool
+    pending: JoinedOutputs | DeltaJoin  # DeltaJoin: from an engine that builds deltas
+    stamps: list[tuple[int, float]] = field(default_factory=list)
+    next_send_s: float = 0.0  # 0: the next output goes at once
+
+
+class Pacer:
+    """Which outputs are due to their callers (the module docstring says the rule)."""
+
+    def __init__(self, chunks_per_s: float, deltas: bool = False):
+        self.chunks_per_s = chunks_per_s
+        self._deltas = deltas
+        self._requests: dict[str, _Paced] = {}
+        self._num_streams = 0
+
+    def add(self, request_id: str, stream: bool) -> None:
+        self._requests[request_id] = _Paced(
+            stream, DeltaJoin() if self._deltas else JoinedOutputs()
+        )
+        self._num_streams += stream
+
+    def _drop(self, request_id: str) -> None:
+        paced = self._requests.pop(request_id, None)
+        if paced is not None:
+            self._num_streams -= paced.stream
+
+    def pace(self, outputs: list) -> list[Delivery | Refusal]:
+        """`outputs` (RequestOutputs or deltas, and refusals) of one turn -> what is due."""
+        now_s = time.perf_counter()
+        interval_s = stream_interval_s(self._num_streams, self.chunks_per_s)
+        due: list[Delivery | Refusal] = []
+        for out in outputs:
+            if isinstance(out, Refusal):
+                self._drop(out.request_id)
+                due.append(out)
+                continue
+            if self._deltas:
+                request_id, new_token_ids, finished = out[0], out[1], out[3]
+            else:
+                request_id, new_token_ids, finished = (
+                    out.request_id,
+                    out.new_token_ids,
+                    out.finished,
+                )
+            paced = self._requests.get(request_id)
+            if paced is None:
+                continue
+            paced.pending.add(out)
+            if new_token_ids:
+                paced.stamps.append((len(new_token_ids), now_s))
+            if not (finished or (paced.stream and now_s >= paced.next_send_s)):
+                continue  # joins a later output
+            due.append((request_id, paced.pending.take(), paced.stamps))
+            paced.stamps = []
+            paced.next_send_s = now_s + interval_s
+            if finished:
+                self._drop(request_id)
+        return due
+
+
 class EngineLoop:
     """Owns `engine` between turns. `dead` is set once a step fails (a rank died or hung past
     the step timeout): every request in flight then ended with finish_reason "error", and new
     ones are refused with EngineDeadError until the engine is rebuilt."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, stream_chunks_per_s: float = 0.0):
         self.engine = engine
         self.dead: str | None = None
+        self.pacer = Pacer(stream_chunks_per_s, deltas=engine.deltas_only)
 
     @property
     def busy(self) -> bool:
@@ -77,7 +164,7 @@ class EngineLoop:
     def turn(self, commands: list[Add | Abort]) -> tuple[list[RequestOutput | Refusal], list[str]]:
         """Apply `commands` in order, then step if there is work: -> (the outputs and
         refusals, the ids of the requests aborted here, whose blocks are free now)."""
-        outputs: list[RequestOutput | Refusal] = []
+        outputs: list[RequestOutput | tuple | Refusal] = []
         aborted: list[str] = []
         for command in commands:
             if isinstance(command, Abort):
@@ -96,7 +183,7 @@ class EngineLoop:
                 logger.exception("engine step failed")
                 self.dead = f"{type(e).__name__}: {e}"
                 outputs += self.engine.fail_all(f"engine failure: {self.dead}")
-        return outputs, aborted
+        return self.pacer.pace(outputs), aborted
 
     def _admit(self, command: Add) -> Refusal | None:
         try:
@@ -109,6 +196,7 @@ class EngineLoop:
                     f"{self.engine.config.max_queued_requests})"
                 )
             self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
+            self.pacer.add(command.request_id, command.stream)
         except Exception as e:  # InvalidRequestError and the two above reach the caller
             return Refusal(command.request_id, e)
         return None

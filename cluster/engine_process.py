@@ -76,7 +76,7 @@ class EngineProcess:
     """The caller's end: starts the engine process and talks to it. `send` may be called from
     any thread; `recv` from one thread only."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, stream_chunks_per_s: float = 0.0):
         mine, theirs = socket.socketpair()
         env = dict(os.environ)
         # The engine process imports what this one can (a Ray worker's sys.path is not only
@@ -91,7 +91,7 @@ class EngineProcess:
         theirs.close()
         self._conn = Connection(mine.detach())
         self._send_lock = threading.Lock()
-        self.send(("config", config))
+        self.send(("config", config, stream_chunks_per_s))
         try:
             message = self._conn.recv()
         except (EOFError, OSError):
@@ -167,7 +167,7 @@ def _serve(conn: Connection, loop) -> None:
                 probes.append(message[1])
             else:  # "command": an Add or an Abort
                 commands.append(message[1])
-        outputs, aborted = loop.turn(commands)
+        due, aborted = loop.turn(commands)
         for token in probes:
             try:
                 loop.engine.check_health()
@@ -177,13 +177,13 @@ def _serve(conn: Connection, loop) -> None:
         now_s = time.monotonic()
         stats = None
         # Also whenever a request ends, so that the caller's figures agree with its outputs.
-        ended = aborted or any(isinstance(o, tuple) and o[3] for o in outputs)
+        ended = aborted or any(isinstance(d, tuple) and d[1][3] for d in due)
         if ended or now_s - last_stats_s >= STATS_PERIOD_S:
             stats, last_stats_s = loop.engine.stats(), now_s
-        if outputs or aborted or stats is not None:
+        if due or aborted or stats is not None:
             sent = [
-                Refusal(o.request_id, portable(o.error)) if isinstance(o, Refusal) else o
-                for o in outputs
+                Refusal(d.request_id, portable(d.error)) if isinstance(d, Refusal) else d
+                for d in due
             ]
             conn.send(("step", sent, aborted, stats, loop.dead))
 
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     conn = Connection(int(argv[1]))
-    _, config = conn.recv()
+    _, config, stream_chunks_per_s = conn.recv()
     try:
         from cluster.engine import LLMEngine
         from cluster.engine_loop import EngineLoop
@@ -218,7 +218,7 @@ def main(argv: list[str]) -> int:
     )
     conn.send(("ready", info))
     try:
-        _serve(conn, EngineLoop(engine))
+        _serve(conn, EngineLoop(engine, stream_chunks_per_s))
     except (EOFError, OSError):  # the caller is gone
         pass
     finally:

@@ -250,6 +250,47 @@ def make_request_delta(request: Request) -> tuple:
     )
 
 
+class DeltaJoin:
+    """`make_request_delta` tuples of one request as they come, taken as one delta (the last
+    one's fields, every delta's new tokens, text and logprobs concatenated): `JoinedOutputs` for
+    deltas, which keeps only the joined parts, not each step's tuple."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._last: tuple | None = None
+        self._token_ids: list[int] = []
+        self._text_parts: list[str] = []
+        self._logprobs: list[Any] = []
+        self._first = False
+
+    def __bool__(self) -> bool:
+        return self._last is not None
+
+    def add(self, delta: tuple) -> None:
+        self._last = delta
+        self._token_ids.extend(delta[1])
+        self._text_parts.append(delta[2])
+        if delta[6] is not None:
+            self._logprobs.extend(delta[6])
+        self._first = self._first or delta[11]
+
+    def take(self) -> tuple:
+        last = self._last
+        joined = (
+            last[0],
+            self._token_ids,
+            "".join(self._text_parts),
+            *last[3:6],
+            self._logprobs if last[6] is not None else None,
+            *last[7:11],
+            self._first,
+        )
+        self._reset()
+        return joined
+
+
 class JoinedDeltas:
     """A request's deltas (`make_request_delta` tuples) as they come, taken as one
     RequestOutput with the cumulative fields rebuilt: `JoinedOutputs` for deltas."""

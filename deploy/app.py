@@ -72,11 +72,10 @@ class AppArgs(BaseModel):
     # spaced by streams / this; 0: one chunk per engine step; None: 50 per core of the node, at
     # most 800). See deploy/model_server.py.
     stream_chunks_per_s: float | None = Field(None, ge=0)
-    # Where the engine's step loop runs in its replica: a process of its own (True), a thread
-    # of the replica's process (False), or None: its own process on a node of at least
-    # deploy.model_server.MIN_CORES_FOR_ENGINE_PROCESS cores. Only engines whose executor runs
-    # in the engine's process (TP=1) can; the Ray executor's (TP>1) stay on a thread.
-    engine_process: bool | None = None
+    # The engine's step loop in a process of its own (True), or on a thread of the replica's
+    # process. Only engines whose executor runs in the engine's process (TP=1) can; the Ray
+    # executor's (TP>1) stay on a thread (cluster/engine_process.py says why).
+    engine_process: bool = True
     # One log line per request in each replica (Serve's access log).
     access_log: bool = False
     # One deployment: the ingress with the engine in its process (deploy/openai_server.py);

@@ -90,8 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--colocate",
-        action="store_true",
-        help="one deployment: the HTTP ingress and the engine in one process (one Ray hop)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one deployment: the HTTP ingress and the engine in one replica, no Ray hop per "
+        "request (default: the faster shape on the 2-core box and on the H200, BENCHMARKS.md); "
+        "--no-colocate: the ingress a deployment of its own",
     )
 
     generate = commands.add_parser("generate", help="one offline completion (no HTTP)")

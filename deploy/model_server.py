@@ -55,17 +55,6 @@ STREAM_CHUNKS_PER_S_PER_CORE = 50.0
 MAX_AUTO_STREAM_CHUNKS_PER_S = 800.0
 
 
-# AppArgs.engine_process None: the engine in a process of its own on nodes of this many cores
-# or more. Below, the engine's process and the replica's would share too few cores.
-MIN_CORES_FOR_ENGINE_PROCESS = 4
-
-
-def resolve_engine_process(engine_process: bool | None) -> bool:
-    if engine_process is not None:
-        return engine_process
-    return (os.cpu_count() or 1) >= MIN_CORES_FOR_ENGINE_PROCESS
-
-
 def resolve_stream_chunks_per_s(chunks_per_s: float | None) -> float:
     if chunks_per_s is not None:
         return chunks_per_s
@@ -127,7 +116,7 @@ class ModelServer:
         engine_config: dict,
         stream_chunks_per_s: float | None = None,
         metrics_hub=None,
-        engine_process: bool | None = None,
+        engine_process: bool = True,
     ):
         if engine_config.get("model") is None:
             from workers.default_model import default_model_path
@@ -139,9 +128,7 @@ class ModelServer:
         # The engine's step loop in a process of its own (where its executor allows): this
         # replica's threads and the engine never wait for one interpreter lock.
         self._engine = AsyncEngine(
-            self._config,
-            self._stream_chunks_per_s,
-            own_process=resolve_engine_process(engine_process),
+            self._config, self._stream_chunks_per_s, own_process=engine_process
         )
         warm_up = self._engine.warm_up
         # Serve marks the replica ready only after __init__ returns: the engine is warm by then.

@@ -87,7 +87,7 @@ class OpenAIServer(OpenAIIngress):
         limits: IngressLimits | None = None,
         api_key: str | None = None,
         metrics_hub=None,
-        engine_process: bool | None = None,
+        engine_process: bool = True,
     ):
         # Seconds of loading and warm-up: off the event loop, which Serve already runs.
         self._server = await asyncio.to_thread(

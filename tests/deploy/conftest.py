@@ -69,9 +69,7 @@ def serve_url(ray_session, tiny_model_dir) -> str:
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    # The engine in a process of its own, as on GPU nodes (the default needs 4 cores or more).
-    args = {**app_args(tiny_model_dir), "engine_process": True}
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(app_args(tiny_model_dir)), name=APP_NAME, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 
