@@ -44,7 +44,7 @@ from cluster.engine_loop import (
     stream_interval_s,
 )
 from cluster.engine_process import EngineInfo, EngineProcess, runs_in_own_process
-from cluster.outputs import JoinedDeltas, RequestOutput, join_outputs
+from cluster.outputs import CumulativeOutput, RequestOutput, join_outputs
 from cluster.sampling_params import SamplingParams
 
 __all__ = [
@@ -80,7 +80,7 @@ class _Subscriber:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     # The engine in its own process sends deltas: their cumulative fields are rebuilt here.
-    cumulative: JoinedDeltas | None = None
+    cumulative: CumulativeOutput | None = None
 
 
 @dataclass(frozen=True)
@@ -318,8 +318,7 @@ class AsyncEngine:
             if sub is None:
                 continue
             if sub.cumulative is not None:  # a delta from the engine's own process
-                sub.cumulative.add(output)
-                output = sub.cumulative.take()
+                output = sub.cumulative.complete(output)
             by_loop.setdefault(sub.loop, []).append((sub.queue, _Delivery(output, token_stamps)))
         for loop, items in by_loop.items():
             try:
@@ -346,7 +345,7 @@ class AsyncEngine:
             raise EngineDeadError(self._dead)
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
-        cumulative = JoinedDeltas(list(prompt_token_ids)) if self._process else None
+        cumulative = CumulativeOutput(list(prompt_token_ids)) if self._process else None
         self._subscribers[request_id] = _Subscriber(asyncio.get_running_loop(), queue, cumulative)
         arrived_s = time.perf_counter()
         last_stamp_s: float | None = None

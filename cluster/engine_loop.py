@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.engine import LLMEngine
-from cluster.outputs import DeltaJoin, JoinedOutputs, RequestOutput
+from cluster.outputs import JoinedDeltas, JoinedOutputs, RequestOutput
 from cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ Delivery = tuple
 @dataclass
 class _Paced:
     stream: bool
-    pending: JoinedOutputs | DeltaJoin  # DeltaJoin: from an engine that builds deltas
+    pending: JoinedOutputs | JoinedDeltas  # JoinedDeltas: from an engine that builds deltas
     stamps: list[tuple[int, float]] = field(default_factory=list)
     next_send_s: float = 0.0  # 0: the next output goes at once
 
@@ -103,7 +103,7 @@ class Pacer:
 
     def add(self, request_id: str, stream: bool) -> None:
         self._requests[request_id] = _Paced(
-            stream, DeltaJoin() if self._deltas else JoinedOutputs()
+            stream, JoinedDeltas() if self._deltas else JoinedOutputs()
         )
         self._num_streams += stream
 

@@ -16,7 +16,7 @@ message per step between them.
 
 The two ends talk over a socketpair (pickled messages: `multiprocessing.connection`). Outputs
 cross as deltas (`cluster.outputs.make_request_delta`: tuples, without the fields that grow
-with the request); the caller rebuilds the rest (`cluster.outputs.JoinedDeltas`). If this
+with the request); the caller rebuilds the rest (`cluster.outputs.CumulativeOutput`). If this
 process dies the other end reads EOF; if the caller dies this process exits within a second.
 
 Runs only engines whose executor lives in the engine's own process (TP=1, or an executor class
