@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -74,7 +75,9 @@ class EngineStartError(RuntimeError):
 
 class EngineProcess:
     """The caller's end: starts the engine process and talks to it. `send` may be called from
-    any thread; `recv` from one thread only."""
+    any thread and never blocks: a thread of its own writes the messages, so that an event loop
+    posting a long prompt (a 128k-token prompt pickles to ~0.6 MB, more than a socket buffer)
+    does not wait for the engine to finish a step and read it. `recv` from one thread only."""
 
     def __init__(self, config: EngineConfig, stream_chunks_per_s: float = 0.0):
         mine, theirs = socket.socketpair()
@@ -90,7 +93,10 @@ class EngineProcess:
         )
         theirs.close()
         self._conn = Connection(mine.detach())
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._broken = False  # a write failed: the engine process is gone
+        self._sender = threading.Thread(target=self._send_all, name="engine-sender", daemon=True)
+        self._sender.start()
         self.send(("config", config, stream_chunks_per_s))
         try:
             message = self._conn.recv()
@@ -109,9 +115,19 @@ class EngineProcess:
         return self._process.pid
 
     def send(self, message: tuple) -> None:
-        """Raises OSError (BrokenPipeError) once the engine process is gone."""
-        with self._send_lock:
-            self._conn.send(message)
+        """Queue `message`; raises BrokenPipeError once a write found the engine process gone
+        (before that, its loss shows as EOF to `recv`)."""
+        if self._broken:
+            raise BrokenPipeError("the engine process is gone")
+        self._outbox.put(message)
+
+    def _send_all(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._conn.send(message)
+            except OSError:
+                self._broken = True
+                return
 
     def recv(self) -> tuple:
         """The next message; EOFError or OSError once the engine process is gone."""
@@ -134,6 +150,8 @@ class EngineProcess:
         if self._process.poll() is None:
             self._process.kill()
             self._process.wait()
+        self._outbox.put(None)  # the sender ends
+        self._sender.join(timeout=5)
         self._conn.close()
 
 
