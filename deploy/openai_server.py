@@ -1,13 +1,15 @@
-"""One deployment for the whole HTTP path: the OpenAI ingress with the engine in its own process
-(`AppArgs.colocate`), so a request crosses one Ray hop (Serve's proxy to this replica) instead
-of two, and the engine's outputs reach the SSE writer through an asyncio queue, not as Ray
-objects from another process.
+"""One deployment for the whole HTTP path: the OpenAI ingress and the engine in one replica
+(`AppArgs.colocate`, what `mtpserve serve` deploys), so a request crosses no Ray hop on the Ray
+that `mtpserve serve` starts (the replica serves HTTP itself) and one through Serve's proxy
+elsewhere, instead of two, and the engine's outputs reach the SSE writer through an asyncio
+queue, not as Ray objects from another replica. The engine's step loop runs in a process of its
+own (`AppArgs.engine_process`), so HTTP and the engine do not share a GIL.
 
 The ingress code is the same as in the two-deployment app: it talks to an `InProcessHandle`,
 which offers the part of a `DeploymentHandle` the ingress uses (`options(stream=True)`,
 `.method.remote(...)` awaited or iterated, `cancel()`), backed by a `ModelServer` in this
-process. What the two-deployment shape keeps: the ingress scales apart from the engine, and
-tokenizing and SSE framing never share a process (and a GIL) with the engine loop.
+process. What the two-deployment shape keeps: the ingress scales apart from the engine, and a
+Serve config's several model-server replicas get prefix-aware routing.
 """
 
 from __future__ import annotations
