@@ -156,7 +156,9 @@ class AsyncEngine:
         self._aborting: dict[str, list[asyncio.Future]] = {}  # done once the blocks are free
         self._aborting_lock = threading.Lock()
         self._process: EngineProcess | None = None
-        if own_process and runs_in_own_process(config):
+        self._retiring: EngineProcess | None = None  # being replaced by restart()
+        self._own_process = own_process and runs_in_own_process(config)
+        if self._own_process:
             self._start_process(config)
             self.engine = None
             self._tokenizer = None
@@ -187,12 +189,12 @@ class AsyncEngine:
 
     @property
     def own_process(self) -> bool:
-        return self._process is not None
+        return self._own_process
 
     @property
     def pid(self) -> int:
         """The process the step loop runs in."""
-        return self._process.pid if self._process is not None else os.getpid()
+        return self._process.pid if self._own_process else os.getpid()
 
     @property
     def resolved_config(self) -> EngineConfig:
@@ -244,7 +246,7 @@ class AsyncEngine:
             try:
                 message = process.recv()
             except (EOFError, OSError):
-                if not self._stopping and process is self._process:
+                if not self._stopping and process is not self._retiring:
                     self._lost(process)
                 return
             if message[0] == "step":
@@ -285,7 +287,7 @@ class AsyncEngine:
     # --- both -------------------------------------------------------------------------------------
 
     def _post(self, command: Add | Abort) -> None:
-        if self._process is None:
+        if not self._own_process:
             self._inbox.append(command)
             self._wakeup.set()
             return
@@ -345,7 +347,7 @@ class AsyncEngine:
             raise EngineDeadError(self._dead)
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
-        cumulative = CumulativeOutput(list(prompt_token_ids)) if self._process else None
+        cumulative = CumulativeOutput(list(prompt_token_ids)) if self._own_process else None
         self._subscribers[request_id] = _Subscriber(asyncio.get_running_loop(), queue, cumulative)
         arrived_s = time.perf_counter()
         last_stamp_s: float | None = None
@@ -391,7 +393,7 @@ class AsyncEngine:
             self._post(Abort(request_id))
         except OSError:
             return  # the engine is gone, and the request with it
-        if self._process is not None and self._dead is not None:
+        if self._own_process and self._dead is not None:
             return  # nobody will answer
         if not self._stopping:
             await done
@@ -400,7 +402,7 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         try:
-            if self._process is None:
+            if not self._own_process:
                 await asyncio.get_running_loop().run_in_executor(None, self._probe)
                 return
             future = asyncio.get_running_loop().create_future()
@@ -412,7 +414,7 @@ class AsyncEngine:
                 raise RuntimeError(error)
         except Exception as e:
             self._dead = f"health check failed: {e}"
-            if self._process is None:
+            if not self._own_process:
                 self._core.dead = self._dead
             raise EngineDeadError(self._dead) from e
 
@@ -427,10 +429,9 @@ class AsyncEngine:
     def restart(self) -> None:
         """Rebuild the workers (after a failure); requests in flight were already failed. The
         resolved config: the context and draft length the callers were told stay."""
-        if self._process is not None:
-            old = self._process
-            self._process = None  # its receiver, reading EOF, fails nobody now
-            old.stop()
+        if self._own_process:
+            self._retiring = self._process  # its receiver, reading EOF, fails nobody now
+            self._retiring.stop()
             self._start_process(self._info.config)
             self._dead = None
             return
@@ -444,7 +445,7 @@ class AsyncEngine:
             self._dead = None
 
     def stats(self) -> EngineStats:
-        if self._process is not None:
+        if self._own_process:
             return self._stats  # the engine process's, at most STATS_PERIOD_S old
         return self.engine.stats()
 
@@ -455,7 +456,7 @@ class AsyncEngine:
             self._aborting.clear()
         for future in waiters:  # nobody will abort these now: let their callers go
             _resolve_soon(future)
-        if self._process is not None:
+        if self._own_process:
             await asyncio.get_running_loop().run_in_executor(None, self._process.stop)
             return
         self._wakeup.set()

@@ -145,6 +145,7 @@ class ModelServer:
         self._replica_id = current_replica_id()
         self._stats_task: asyncio.Task | None = None
         self._first_report: asyncio.Future | None = None  # done once the first report went
+        self._health_lock = asyncio.Lock()  # one probe (and rebuild) at a time
         logger.info(
             "streamed chunks: at most %.0f per second; engine step loop %s",
             self._stream_chunks_per_s,
@@ -228,14 +229,19 @@ class ModelServer:
 
     async def check_health(self) -> None:
         """Serve's health probe: probes every worker; a dead engine is rebuilt once, and if that
-        fails too the exception tells Serve to replace the replica."""
+        fails too the exception tells Serve to replace the replica. The rebuild (loading and
+        warming a model) runs off the event loop: meanwhile requests get a 503 that says so, and
+        a second probe waits for this one's rebuild instead of starting another."""
         self._ensure_stats_loop()
-        try:
-            await self._engine.check_health()
-        except EngineDeadError:
-            logger.warning("engine dead; restarting it")
-            await _maybe_await(self._engine.restart())
-            await self._engine.check_health()
+        async with self._health_lock:
+            try:
+                await self._engine.check_health()
+            except EngineDeadError:
+                logger.warning("engine dead; restarting it")
+                started = time.perf_counter()
+                await asyncio.to_thread(self._engine.restart)
+                logger.info("engine restarted in %.1f s", time.perf_counter() - started)
+                await self._engine.check_health()
 
     async def probe(self) -> dict:
         """What `GET /health` reports: the worker probe, then the engine's stats."""
