@@ -141,8 +141,8 @@ class AsyncEngine:
     Where the loop runs: on a thread of this process (default), or, with `own_process`, in a
     process of its own (`cluster.engine_process`) where the executor allows it, so that the
     caller's threads (a Serve replica's) and the engine never wait for one interpreter lock;
-    a thread of this process then receives each step's message and paces it to the callers.
-    `engine` (the `LLMEngine`) is reachable in the thread mode only.
+    a thread of this process then receives the loop's messages and hands each output to its
+    caller. `engine` (the `LLMEngine`) is reachable in the thread mode only.
     """
 
     def __init__(
