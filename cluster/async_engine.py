@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 # How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The
 # step loop gives the GIL up at every wait on the device and then needs it back at once; with
 # the HTTP side busy in the same process, 5 ms per hand-back would outlast a whole decode step.
+# With the engine in its own process, the threads that receive its outputs and send it requests
+# wait on the HTTP side's event loop the same way.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -158,6 +160,8 @@ class AsyncEngine:
         self._process: EngineProcess | None = None
         self._retiring: EngineProcess | None = None  # being replaced by restart()
         self._own_process = own_process and runs_in_own_process(config)
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: a serving process
         if self._own_process:
             self._start_process(config)
             self.engine = None
@@ -179,8 +183,6 @@ class AsyncEngine:
             self._lock = threading.Lock()
             self._wakeup = threading.Event()
             self._inbox: collections.deque[Add | Abort] = collections.deque()
-            if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
-                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: a serving process
             self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
             self._thread.start()
         self.model_name = config.model_name
