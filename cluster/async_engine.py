@@ -44,7 +44,7 @@ from cluster.engine_loop import (
     stream_interval_s,
 )
 from cluster.engine_process import EngineInfo, EngineProcess, runs_in_own_process
-from cluster.outputs import CumulativeOutput, RequestOutput, join_outputs
+from cluster.outputs import CumulativeOutput, RequestOutput, failure_delta, join_outputs
 from cluster.sampling_params import SamplingParams
 
 __all__ = [
@@ -271,11 +271,7 @@ class AsyncEngine:
         logger.error("%s", self._dead)
         error = f"engine failure: {self._dead}"
         failed = [
-            (
-                request_id,
-                (request_id, [], "", True, "error", None, None, 0, 0, None, error, False),
-                [],
-            )
+            (request_id, failure_delta(request_id, error), [])
             for request_id in list(self._subscribers)
         ]
         with self._aborting_lock:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.engine import LLMEngine
-from cluster.outputs import JoinedDeltas, JoinedOutputs, RequestOutput
+from cluster.outputs import Delta, JoinedDeltas, JoinedOutputs, RequestOutput
 from cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,8 @@ class Pacer:
                 due.append(out)
                 continue
             if self._deltas:
-                request_id, new_token_ids, finished = out[0], out[1], out[3]
+                request_id = out[Delta.REQUEST_ID]
+                new_token_ids, finished = out[Delta.NEW_TOKEN_IDS], out[Delta.FINISHED]
             else:
                 request_id, new_token_ids, finished = (
                     out.request_id,

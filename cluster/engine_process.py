@@ -170,6 +170,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 def _serve(conn: Connection, loop) -> None:
     """Turn after turn: read the commands that came, run a turn, send what it gave."""
     from cluster.engine_loop import Refusal, portable
+    from cluster.outputs import Delta
 
     last_stats_s = 0.0
     while True:
@@ -195,7 +196,9 @@ def _serve(conn: Connection, loop) -> None:
         now_s = time.monotonic()
         stats = None
         # Also whenever a request ends, so that the caller's figures agree with its outputs.
-        ended = aborted or any(isinstance(d, tuple) and d[1][3] for d in due)
+        ended = aborted or any(  # a delivery: (request id, delta, stamps)
+            not isinstance(d, Refusal) and d[1][Delta.FINISHED] for d in due
+        )
         if ended or now_s - last_stats_s >= STATS_PERIOD_S:
             stats, last_stats_s = loop.engine.stats(), now_s
         if due or aborted or stats is not None:
