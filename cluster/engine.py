@@ -89,9 +89,10 @@ def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, deltas_only: bool = False):
         """`config` as the user gave it; `self.config` is it resolved (cluster/config.py): the
-        draft length, and the context fitted to the KV pool the workers sized."""
+        draft length, and the context fitted to the KV pool the workers sized. `deltas_only`:
+        outputs are deltas, for a caller that keeps the cumulative fields (`_output`)."""
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         from workers.model_config import check_model_config
@@ -144,7 +145,7 @@ class LLMEngine:
             tokenizer=self.tokenizer,
         )
         self.counters = EngineCounters()
-        self.deltas_only = False  # see _output
+        self.deltas_only = deltas_only
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
         self._counter = itertools.count()

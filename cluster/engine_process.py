@@ -222,8 +222,7 @@ def main(argv: list[str]) -> int:
         from cluster.engine import LLMEngine
         from cluster.engine_loop import EngineLoop
 
-        engine = LLMEngine(config)
-        engine.deltas_only = True  # the caller keeps the cumulative fields
+        engine = LLMEngine(config, deltas_only=True)  # the caller keeps the cumulative fields
     except BaseException as e:  # noqa: BLE001 - the caller raises it
         import traceback
 
