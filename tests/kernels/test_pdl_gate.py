@@ -101,6 +101,16 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
     positions = torch.tensor([0, 70, 127], dtype=torch.int32)
     topk = torch.tensor([[0, -1, -1], [3, 70, 1], [100, 2, 127]], dtype=torch.int32)
     ids = torch.tensor([[0, 2], [1, 3], [2, 0]], dtype=torch.int32)
+    # FP8 experts with their block scales: both FP8 grouped-MoE paths take these.
+    fp8_moe_inputs = (
+        torch.randn(3, 6, dtype=f32),
+        torch.randn(4, 10, 6).to(FP8_DTYPE),
+        torch.randn(4, 6, 5).to(FP8_DTYPE),
+        torch.rand(3, 2),
+        ids,
+        torch.rand(4, 2, 1, 1) + 0.5,
+        torch.rand(4, 1, 1) + 0.5,
+    )
     return [
         (
             "rms_norm",
@@ -204,29 +214,13 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             "grouped_moe_fp8",
             lambda *a: grouped_moe_triton(*a[:5], w13_scale=a[5], w2_scale=a[6]),
             lambda *a: grouped_moe_reference(*a[:5], w13_scale=a[5], w2_scale=a[6]),
-            (
-                torch.randn(3, 6, dtype=f32),
-                torch.randn(4, 10, 6).to(FP8_DTYPE),
-                torch.randn(4, 6, 5).to(FP8_DTYPE),
-                torch.rand(3, 2),
-                ids,
-                torch.rand(4, 2, 1, 1) + 0.5,
-                torch.rand(4, 1, 1) + 0.5,
-            ),
+            fp8_moe_inputs,
         ),
         (
             "grouped_moe_w8a8",
             lambda *a: grouped_moe_w8a8_triton(*a[:5], 0, *a[5:]),
             lambda *a: grouped_moe_w8a8_reference(*a[:5], 0, *a[5:]),
-            (
-                torch.randn(3, 6, dtype=f32),
-                torch.randn(4, 10, 6).to(FP8_DTYPE),
-                torch.randn(4, 6, 5).to(FP8_DTYPE),
-                torch.rand(3, 2),
-                ids,
-                torch.rand(4, 2, 1, 1) + 0.5,
-                torch.rand(4, 1, 1) + 0.5,
-            ),
+            fp8_moe_inputs,
         ),
     ]
 
