@@ -91,9 +91,10 @@ class _Delivery:
     token_stamps: list[tuple[int, float]]
 
 
-def _resolve_soon(future: asyncio.Future) -> None:
+def _resolve_soon(future: asyncio.Future, result: object = None) -> None:
+    """Set `future`'s result from another thread (unless it is done or its loop closed)."""
     try:
-        future.get_loop().call_soon_threadsafe(_resolve, future)
+        future.get_loop().call_soon_threadsafe(_resolve, future, result)
     except RuntimeError:  # the caller's loop is closed
         pass
 
@@ -101,13 +102,6 @@ def _resolve_soon(future: asyncio.Future) -> None:
 def _resolve(future: asyncio.Future, result: object = None) -> None:
     if not future.done():
         future.set_result(result)
-
-
-def _settle_soon(future: asyncio.Future, result: object) -> None:
-    try:
-        future.get_loop().call_soon_threadsafe(_resolve, future, result)
-    except RuntimeError:  # the caller's loop is closed
-        pass
 
 
 def _tell_timings(
@@ -262,7 +256,7 @@ class AsyncEngine:
                 _, token, error = message
                 future = self._probes.pop(token, None)
                 if future is not None:
-                    _settle_soon(future, error)
+                    _resolve_soon(future, error)
 
     def _lost(self, process: EngineProcess) -> None:
         """The engine process died (killed, out of memory, a crash in native code): every
@@ -280,7 +274,7 @@ class AsyncEngine:
         for token in list(self._probes):
             future = self._probes.pop(token, None)
             if future is not None:
-                _settle_soon(future, self._dead)
+                _resolve_soon(future, self._dead)
 
     # --- both -------------------------------------------------------------------------------------
 
