@@ -223,7 +223,8 @@ class Delta:
     (`make_request_delta`), what the engine in its own process sends (cluster/engine_process.py).
     It leaves out what repeats everything before (the prompt, every token so far, the text so
     far): the receiver keeps those (`CumulativeOutput`). A plain tuple because it pickles fastest:
-    128 of them in 12-18 us against 84 as RequestOutputs and 86 as a NamedTuple."""
+    128 of them in 17 us against 171 as RequestOutputs and 85 as a NamedTuple
+    (`benchmarks/bench_engine_loop.py`, the 2-core box, BENCHMARKS.md)."""
 
     REQUEST_ID = 0
     NEW_TOKEN_IDS = 1

@@ -1,0 +1,145 @@
+"""The step loop's own cost, without a model: offline, on a thread, in a process of its own; and
+what a step's deltas cost to pickle in each form.
+
+    python benchmarks/bench_engine_loop.py [--tokens 3000] [--repeat 2]
+
+Part 1: one greedy request of `--tokens` tokens on the model-less executor of
+`benchmarks/null_executor.py` with NULL_STEP_S=0 (a step returns at once), so what is timed per
+step is the loop: `LLMEngine.step()` driven here (offline), `AsyncEngine` with the loop on a
+thread, and with the loop in its own process (`cluster/engine_process.py`), streamed and not.
+Part 2: pickling and unpickling 128 outputs of one step as RequestOutputs, as plain delta tuples
+(`cluster.outputs.make_request_delta`'s form) and as a NamedTuple of the same fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pickle
+import sys
+import time
+from typing import Any, NamedTuple
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NULL_EXECUTOR = "benchmarks.null_executor:NullExecutor"
+
+
+def _config(num_tokens: int):
+    from cluster.config import EngineConfig
+    from workers.default_model import tiny_model_path
+
+    return EngineConfig(
+        tiny_model_path(),
+        device="cpu",
+        num_draft_tokens=0,
+        executor=NULL_EXECUTOR,
+        max_model_len=num_tokens + 64,
+    )
+
+
+def loop_us_per_step(num_tokens: int, mode: str, stream: bool) -> float:
+    from cluster.async_engine import AsyncEngine
+    from cluster.engine import LLMEngine
+    from cluster.sampling_params import SamplingParams
+
+    config = _config(num_tokens)
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    if mode == "offline":
+        engine = LLMEngine(config)
+        engine.add_request([5, 6, 7], params, "r")
+        started = time.perf_counter()
+        while engine.has_unfinished:
+            engine.step()
+        elapsed = time.perf_counter() - started
+        engine.shutdown()
+        return elapsed / num_tokens * 1e6
+
+    async def run() -> float:
+        engine = AsyncEngine(config, 800.0, own_process=mode == "process")
+        started = time.perf_counter()
+        async for _ in engine.generate([5, 6, 7], params, stream=stream):
+            pass
+        elapsed = time.perf_counter() - started
+        await engine.shutdown()
+        return elapsed
+
+    return asyncio.run(run()) / num_tokens * 1e6
+
+
+class _DeltaTuple(NamedTuple):
+    request_id: str
+    new_token_ids: list
+    new_text: str
+    finished: bool
+    finish_reason: Any
+    stop_reason: Any
+    new_logprobs: Any
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    spec: Any
+    error: Any
+    is_first: bool
+
+
+def wire_us(num_outputs: int = 128, rounds: int = 500) -> list[tuple[str, float, float, int]]:
+    from cluster.outputs import RequestOutput
+
+    deltas = [
+        (f"cmpl-{i:024d}-0", [5], "abc", False, None, None, None, 32, 0, None, None, False)
+        for i in range(num_outputs)
+    ]
+    outputs = [
+        RequestOutput(
+            request_id=d[0],
+            prompt_token_ids=list(range(32)),
+            token_ids=list(range(64)),
+            new_token_ids=[5],
+            text="x" * 200,
+            new_text="abc",
+            finished=False,
+            num_prompt_tokens=32,
+        )
+        for d in deltas
+    ]
+    rows = []
+    for name, step in (
+        ("RequestOutput", outputs),
+        ("delta tuple", deltas),
+        ("NamedTuple", [_DeltaTuple(*d) for d in deltas]),
+    ):
+        started = time.perf_counter()
+        for _ in range(rounds):
+            blob = pickle.dumps(("step", step), protocol=pickle.HIGHEST_PROTOCOL)
+        dumps = (time.perf_counter() - started) / rounds * 1e6
+        started = time.perf_counter()
+        for _ in range(rounds):
+            pickle.loads(blob)
+        loads = (time.perf_counter() - started) / rounds * 1e6
+        rows.append((name, dumps, loads, len(blob)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=3000)
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args(argv)
+    os.environ["NULL_STEP_S"] = "0"
+    print("| loop | streamed | us per step |\n|---|---|---|")
+    for _ in range(args.repeat):
+        print(f"| offline | - | {loop_us_per_step(args.tokens, 'offline', False):.1f} |")
+        for mode in ("thread", "process"):
+            for stream in (True, False):
+                us = loop_us_per_step(args.tokens, mode, stream)
+                print(f"| {mode} | {'yes' if stream else 'no'} | {us:.1f} |", flush=True)
+    print("\n| 128 outputs as | pickle us | unpickle us | bytes |\n|---|---|---|---|")
+    for name, dumps, loads, size in wire_us():
+        print(f"| {name} | {dumps:.1f} | {loads:.1f} | {size} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
