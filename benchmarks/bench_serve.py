@@ -24,8 +24,10 @@ gets one untimed burst first (warm-up). Columns: output tokens/s over the level'
 ratio to offline at the same concurrency, time to first token (stream: first text chunk;
 offline: first step output with a token) and inter-token latency (gap between a request's
 consecutive outputs that carried text; an MTP round's tokens, and a paced stream's steps, arrive
-together) at p50/p99, and request latency p50. The last line says whether every prompt's text
-was the same on every path (greedy). The clients run in a process of their own
+together) at p50/p99, and request latency p50. A second table says where the CPU went: each
+process's CPU milliseconds per request during the level (Linux), the replica, the engine process,
+Serve's proxy and controller, Ray's core, the clients, this bench (offline: the engine itself).
+The last line says whether every prompt's text was the same on every path (greedy). The clients run in a process of their own
 (`--no-client-process`: in this one) with `aiohttp` (Ray's own dependency), else `httpx`.
 """
 
@@ -74,6 +76,7 @@ class LevelResult:
     first_errors: list[str] = field(default_factory=list)
     slowest_step_s: float | None = None  # offline: the longest `engine.step()` call
     slowest_step_outputs: int = 0  # and how many requests it returned outputs for
+    cpu_s: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds in the level
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,11 +113,85 @@ class LevelResult:
             "first_errors": self.first_errors,
             "slowest_step_s": self.slowest_step_s,
             "slowest_step_outputs": self.slowest_step_outputs,
+            "cpu_ms_per_request": {
+                name: 1e3 * cpu / self.num_requests for name, cpu in self.cpu_s.items()
+            }
+            if self.num_requests
+            else {},
         }
 
 
 def num_requests_for(concurrency: int, rounds: int, min_requests: int) -> int:
     return max(rounds * concurrency, min_requests)
+
+
+# --- where the CPU goes ----------------------------------------------------------------------
+
+# Processes by what their command line says (Ray names its workers `ray::<actor>`).
+_PROCESS_LABELS = (
+    ("ServeReplica", "replica"),
+    ("cluster.engine_process", "engine process"),
+    ("ProxyActor", "Serve proxy"),
+    ("ServeController", "Serve controller"),
+    ("ray::", "other Ray workers"),
+    ("raylet", "Ray core"),
+    ("gcs_server", "Ray core"),
+)
+
+
+def process_cpu_s(named: dict[int, str] | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) so far of this machine's serving processes, summed per label:
+    each Serve replica by its deployment, the engine process, Ray's own; `named` pids (this
+    bench, its clients) under their own label. Linux /proc; empty elsewhere."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    totals: dict[str, float] = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return totals
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        label = (named or {}).get(pid)
+        if label is None:
+            for needle, name in _PROCESS_LABELS:
+                if needle in cmdline:
+                    label = name
+                    if name == "replica":  # ray::ServeReplica:<app>:<deployment>
+                        deployment = cmdline.split()[0].rsplit(":", 1)[-1].split(".")[0]
+                        label = f"replica {deployment}"
+                    break
+        if label is None:
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        totals[label] = totals.get(label, 0.0) + cpu
+    return totals
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
+
+
+def cpu_table(rows: list[dict]) -> str:
+    """CPU milliseconds per request in each process, per row (one column per process)."""
+    names = sorted({n for r in rows for n in r["cpu_ms_per_request"]})
+    if not names:
+        return ""
+    lines = [
+        "| path | concurrency | pass | " + " | ".join(names) + " |",
+        "|---|---|---|" + "---|" * len(names),
+    ]
+    for r in rows:
+        cells = [f"{r['cpu_ms_per_request'].get(n, 0.0):.2f}" for n in names]
+        lines.append(
+            f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} | " + " | ".join(cells) + " |"
+        )
+    return "CPU ms per request, by process:\n" + "\n".join(lines)
 
 
 # --- offline ---------------------------------------------------------------------------------
@@ -499,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summaries = [r.summary() for r in rows]
     print(table(summaries))
+    print(cpu_table(summaries))
     texts = _text_agreement(rows)
     print(texts)
     if first_ms:
@@ -537,7 +615,10 @@ def _offline_engine(model, engine_options, prompts, levels, args):
 
 def _offline_level(engine, prompts, c: int, repeat: int, args) -> LevelResult:
     n = num_requests_for(c, args.rounds, args.min_requests)
+    named = {os.getpid(): "bench (offline engine)"}
+    before = process_cpu_s(named)
     row = run_offline(engine, prompts, c, n, args.max_tokens)
+    row.cpu_s = cpu_used(before, process_cpu_s(named))
     row.repeat = repeat
     print(
         f"  offline c={c}: {row.tokens_per_s:.0f} tok/s, slowest step "
@@ -565,6 +646,11 @@ class _Server:
     url: str
     model: str
     pool: object = None
+    client_pid: int | None = None  # the clients' process (None: this one)
+
+    def __post_init__(self):
+        if self.pool is not None:
+            self.client_pid = self.pool.submit(os.getpid).result()
 
     def run(self, prompts, path, concurrency, num_requests, max_tokens, **kwargs) -> LevelResult:
         call = (self.client_cls, self.url, self.model, prompts, path, concurrency, num_requests)
@@ -642,7 +728,12 @@ def _client_pool(args):
 
 def _http_level(server: _Server, prompts, path: str, c: int, repeat: int, args) -> LevelResult:
     n = num_requests_for(c, args.rounds, args.min_requests)
+    named = {os.getpid(): "bench"}
+    if server.client_pid is not None:
+        named[server.client_pid] = "clients"
+    before = process_cpu_s(named)
     row = server.run(prompts, path, c, n, args.max_tokens)
+    row.cpu_s = cpu_used(before, process_cpu_s(named))
     row.repeat = repeat
     print(f"  {path} c={c}: {row.tokens_per_s:.0f} tok/s", flush=True)
     if row.first_errors:

@@ -24,12 +24,20 @@ exactly 1.0 (MTP off) read as a mean of 0.5 there.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 import time
 import uuid
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 
 PREFIX = "mtpserve:"
 REPORT_PERIOD_S = 1.0
@@ -150,6 +158,36 @@ class _EngineCollector:
         return iter(self.families)
 
 
+class LatencyHistogram:
+    """A Prometheus histogram (one label, `model_name`) that takes `count` equal observations at
+    once. The replica observes every step of every request, and prometheus_client's Histogram
+    takes a lock and updates two values per observation (0.56 us on the 2-core box; 0.13 here):
+    at 128 tokens, 72 us of the ~1 ms of replica CPU a request costs. Each histogram has one
+    writer (the engine's receiving thread, or the event loop); a scrape may read counts a step
+    behind their sum."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], model: str):
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(buckets)
+        self.model = model
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count  # le: value <= bound
+        self.sum += value * count
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, math.inf), self.counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric([self.model], buckets, self.sum)
+        yield family
+
+
 class ReplicaMetrics:
     """The metrics of one engine replica: the engine's counters and gauges, and the latency
     histograms this replica observes per request."""
@@ -160,10 +198,10 @@ class ReplicaMetrics:
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(
-                PREFIX + name, doc, ["model_name"], registry=self.registry, buckets=buckets
-            ).labels(model_name)
+        def histogram(name: str, doc: str, buckets) -> LatencyHistogram:
+            histogram = LatencyHistogram(PREFIX + name, doc, buckets, model_name)
+            self.registry.register(histogram)
+            return histogram
 
         self.time_to_first_token_s = histogram(
             "time_to_first_token_seconds",
@@ -190,12 +228,13 @@ class ReplicaMetrics:
 
     def first_tokens(self, num_tokens: int, ttft_s: float) -> None:
         self.time_to_first_token_s.observe(ttft_s)
-        self.later_tokens(num_tokens - 1, 0.0)
+        if num_tokens > 1:
+            self.later_tokens(num_tokens - 1, 0.0)
 
     def later_tokens(self, num_tokens: int, since_previous_s: float) -> None:
         """`num_tokens` arrived `since_previous_s` after the request's previous token."""
-        for _ in range(num_tokens):
-            self.inter_token_latency_s.observe(since_previous_s / num_tokens)
+        if num_tokens > 0:
+            self.inter_token_latency_s.observe(since_previous_s / num_tokens, num_tokens)
 
     def report(self, replica_id: str) -> MetricsReport:
         return MetricsReport(replica_id, list(self.registry.collect()))

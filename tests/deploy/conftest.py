@@ -1,7 +1,9 @@
-"""Session fixtures (the tiny checkpoint comes from tests/conftest.py): one local Ray (2 CPUs),
+"""Fixtures (the tiny checkpoint comes from tests/conftest.py): one local Ray (2 CPUs),
 one Serve app over HTTP.
 
-Ray starts once per session (`ray.init` ~6 s on the 2-core CI box, Serve app up ~4 s later);
+Ray starts once for this package (`ray.init` ~6 s on the 2-core CI box, Serve app up ~4 s later)
+and stops after its last test, so the Serve app's processes (an engine process among them) do not
+load the box while later packages start Ray clusters of their own;
 every actor and replica asks for 0.1 CPU so engine + ingress + a second app fit in 2 cores.
 `address="local"` always starts a fresh cluster, never attaching to another session's Ray.
 """
@@ -47,7 +49,7 @@ def app_args(model_dir: str, **engine) -> dict:
     }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_session():
     import ray
     from ray import serve
@@ -60,7 +62,7 @@ def ray_session():
         ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serve_url(ray_session, tiny_model_dir) -> str:
     """The main app at `/`: the tiny model, no MTP drafts."""
     from ray import serve
@@ -73,7 +75,7 @@ def serve_url(ray_session, tiny_model_dir) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_server(serve_url):
     from ray import serve
 
@@ -82,7 +84,7 @@ def model_server(serve_url):
     return serve.get_deployment_handle(MODEL_SERVER_NAME, app_name=APP_NAME)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def served_model(serve_url) -> dict:
     import httpx
 

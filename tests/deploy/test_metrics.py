@@ -260,3 +260,38 @@ def test_dashboard_queries_only_served_metrics(mtp_app):
         "mtpserve:generation_tokens_total",
     ):
         assert name in queried, name
+
+
+def test_latency_histogram_exposes_what_prometheus_client_would():
+    """The replica's own histogram against prometheus_client's on the same observations (values
+    on bucket bounds, between them, above the last; `count` equal ones at once): the same bucket,
+    sum and count samples."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from deploy.metrics import ITL_BUCKETS_S, LatencyHistogram
+
+    registry = CollectorRegistry(auto_describe=False)
+    reference = Histogram(
+        "h", "doc", ["model_name"], registry=registry, buckets=ITL_BUCKETS_S
+    ).labels("m")
+    ours = LatencyHistogram("h", "doc", ITL_BUCKETS_S, "m")
+    g = torch.Generator().manual_seed(0)
+    values = [0.0, 0.001, 0.0025, 80.0, 200.0] + (torch.rand(300, generator=g) * 0.3).tolist()
+    for i, value in enumerate(values):
+        count = 1 + i % 3
+        ours.observe(value, count)
+        for _ in range(count):
+            reference.observe(value)
+
+    def samples(families):
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in families
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    want, got = samples(registry.collect()), samples(ours.collect())
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-12), key
