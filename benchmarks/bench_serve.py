@@ -27,8 +27,9 @@ consecutive outputs that carried text; an MTP round's tokens, and a paced stream
 together) at p50/p99, and request latency p50. A second table says where the CPU went: each
 process's CPU milliseconds per request during the level (Linux), the replica, the engine process,
 Serve's proxy and controller, Ray's core, the clients, this bench (offline: the engine itself).
-The last line says whether every prompt's text was the same on every path (greedy). The clients run in a process of their own
-(`--no-client-process`: in this one) with `aiohttp` (Ray's own dependency), else `httpx`.
+The last line says whether every prompt's text was the same on every path (greedy). The clients
+run in a process of their own (`--no-client-process`: in this one) with `aiohttp` (Ray's own
+dependency), else `httpx`.
 """
 
 from __future__ import annotations
