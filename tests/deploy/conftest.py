@@ -54,12 +54,21 @@ def ray_session():
     import ray
     from ray import serve
 
+    from deploy.app import SERVE_REQUEST_PATH_ENV
+
+    saved = {name: os.environ.get(name) for name in SERVE_REQUEST_PATH_ENV}
+    os.environ.update(SERVE_REQUEST_PATH_ENV)  # as `mtpserve serve` starts Ray
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     try:
         serve.shutdown()
     finally:
         ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="package")
