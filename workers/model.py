@@ -252,7 +252,9 @@ class MLAAttention(nn.Module):
         # W_UK / W_UV out of kv_b_proj: [heads, nope + v, kv_lora_rank]
         w_kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
-        q_absorbed = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [T, H, kv_lora_rank]
+        # Batched over heads: what einsum("thd,hdl->thl") runs, without its per-call parsing
+        # (8.6% of an eager prefill step's host time on the H200, BENCHMARKS.md).
+        q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora]
         out_latent = ops.sparse_mla_attention(
             torch.cat([q_absorbed, q_rope], -1),
             kv_cache,
@@ -262,7 +264,8 @@ class MLAAttention(nn.Module):
             self.softmax_scale,
             self.kv_lora_rank,
         )  # [T, H, kv_lora_rank]
-        out = torch.einsum("thl,hvl->thv", out_latent, w_uv).reshape(num_tokens, -1)
+        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_dim]
+        out = out.transpose(0, 1).reshape(num_tokens, -1)
         return self.o_proj(out), topk
 
 

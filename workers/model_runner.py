@@ -85,7 +85,7 @@ class ModelRunner:
             self.proposer.forget(step.preempted_request_ids)
         if not step.seqs:
             return StepOutput([])
-        batch = self._prepare(step.seqs)
+        batch = self._prepare(step.seqs, drafting=step.num_draft_tokens > 0)
         hidden, logits, argmax = self._forward(batch)
         results = self._sample(batch, logits, argmax)
         if self.proposer is not None and step.num_draft_tokens > 0:
@@ -126,13 +126,13 @@ class ModelRunner:
                 else:
                     self.proposer.pending[s.request_id] = pending
 
-    def _prepare(self, seqs: list[SeqWork]) -> StepTensors:
+    def _prepare(self, seqs: list[SeqWork], drafting: bool = False) -> StepTensors:
         """The step's inputs, packed on the host and sent in one copy (workers.step_tensors):
         into the decode graph's static inputs on the graph path, else a fresh device buffer."""
         graphable = self._graphable(seqs)
-        tokens_per_seq = len(seqs[0].token_ids)
-        if graphable:
-            layout = self.graphs.layout(len(seqs), tokens_per_seq)
+        graph_key = self._graph_key(seqs, graphable, drafting)
+        if graph_key is not None:
+            layout = self.graphs.layout(*graph_key)
         else:
             num_tokens = sum(len(s.token_ids) for s in seqs)
             layout = StepLayout(num_tokens, len(seqs), max(len(s.block_ids) for s in seqs))
@@ -140,10 +140,8 @@ class ModelRunner:
         # being reused before that copy has run.
         host = torch.empty(layout.numel, dtype=torch.long, pin_memory=self.device.type == "cuda")
         pack_step(seqs, self.block_size, layout, host.numpy())
-        if graphable:
-            input_ids, positions, slots, seq_idx, tables = self.graphs.load(
-                host, len(seqs), tokens_per_seq
-            )
+        if graph_key is not None:
+            input_ids, positions, slots, seq_idx, tables = self.graphs.load(host, *graph_key)
         else:
             inputs = host.to(self.device, non_blocking=True)
             input_ids, positions, slots, seq_idx, tables = layout.views(inputs)
@@ -162,16 +160,22 @@ class ModelRunner:
             offsets=offsets,
             logit_rows=logit_rows,
             graphable=graphable,
+            graph_key=graph_key,
         )
 
     def _forward(self, batch: StepTensors) -> tuple[torch.Tensor, ...]:
         """-> (hidden [T, hidden], logits [R, vocab] and their argmax [R] for the R logit rows;
         None and None when no row samples). The argmax is on its way to the host (pinned) when
         this returns: see `_sample`."""
-        if batch.graphable:
-            hidden, logits, argmax = self.graphs.replay(
-                len(batch.seqs), len(batch.seqs[0].token_ids)
-            )
+        if batch.graph_key is not None:
+            hidden, logits, argmax = self.graphs.replay(*batch.graph_key)
+            if not batch.graphable:  # prefill rows: only the rows that sample
+                rows = batch.logit_rows
+                if not rows:
+                    return hidden, None, None
+                index = torch.tensor(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+                index = index.to(self.device, non_blocking=True)
+                logits, argmax = logits.index_select(0, index), argmax.index_select(0, index)
         else:
             hidden = self.model(batch.input_ids, batch.meta)  # [T, hidden]
             rows = batch.logit_rows
@@ -264,6 +268,23 @@ class ModelRunner:
         packed = tp_broadcast(packed.to(self.device)).cpu()
         for r, row in zip(results, packed.tolist()):
             r.sampled_token_ids, r.num_accepted_drafts = row[2 : 2 + row[0]], row[1]
+
+    def _graph_key(
+        self, seqs: list[SeqWork], graphable: bool, drafting: bool
+    ) -> tuple[int, int] | None:
+        """The decode graph that replays this step: (num_seqs, q) for a decode or verify step;
+        for a step with prefill chunks and no drafting (MTP off), (num_tokens, 1): every token
+        one row of the q = 1 graph of its bucket, since the forward reads each row's own
+        position and table row (workers.attention_metadata) and writes every row's keys before
+        any row attends. A prompt arriving while others decode then costs one graph replay
+        instead of an eager forward of the whole batch (~8 ms of host time for 0.3 ms of GPU
+        work on the H200, BENCHMARKS.md); chunks longer than the largest bucket stay eager."""
+        if graphable:
+            return len(seqs), len(seqs[0].token_ids)
+        if self.graphs is None or drafting or any(s.num_draft_tokens for s in seqs):
+            return None
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        return (num_tokens, 1) if num_tokens <= self.graphs.max_batch else None
 
     def _graphable(self, seqs: list[SeqWork]) -> bool:
         """Decode steps replay a CUDA graph: every sequence samples every one of its tokens'

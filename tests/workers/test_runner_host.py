@@ -152,3 +152,63 @@ def test_graph_path_is_the_eager_path_token_for_token(tiny_model_dir, k):
     assert {b for b, _ in replayed} >= {1, 2, 4, 8}
     if k:
         assert any(graph.replays for graph, _, _ in propose.graphs.values())
+
+
+def _is_prefill(seq: SeqWork) -> bool:
+    return not seq.samples or len(seq.token_ids) != 1 + seq.num_draft_tokens
+
+
+def _generate_staggered(llm: LLM, prompts, params, every: int) -> tuple[list[list[int]], int]:
+    """One prompt added every `every` steps while the earlier ones decode (as requests reach a
+    server) -> (token ids in prompt order, steps run)."""
+    engine = llm.engine
+    ids, final, steps = [], {}, 0
+    pending = list(zip(prompts, params))
+    while pending or engine.has_unfinished:
+        if pending and steps % every == 0:
+            prompt, sp = pending.pop(0)
+            ids.append(engine.add_request(prompt, sp))
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+        steps += 1
+    return [final[i] for i in ids], steps
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, k):
+    """MTP off, a step that prefills a prompt beside decoding requests runs as rows of the
+    q = 1 decode graph (`ModelRunner._graph_key`), token for token the eager path's greedy
+    tokens, with padded buckets; a chunk longer than the largest bucket stays eager. With MTP
+    (k = 2) such steps stay eager (the proposer's graphs assume the verify layout)."""
+    g = torch.Generator().manual_seed(2)
+    lens = [9, 41, 3, 30, 17, 70, 5]  # 70 > the largest bucket (64): that prefill stays eager
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
+    params = [
+        SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    eager = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=64)
+    expected, _ = _generate_staggered(eager, prompts, params, every=2)
+    graphed = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=64)
+    _with_cpu_graphs(graphed, max_batch=64)
+    runner = graphed.engine.executor.worker.runner
+    keys = []
+    graph_key = runner._graph_key
+    runner._graph_key = lambda seqs, graphable, drafting: (
+        keys.append(
+            (graphable, any(_is_prefill(s) for s in seqs), graph_key(seqs, graphable, drafting))
+        )
+        or keys[-1][2]
+    )
+    got, _ = _generate_staggered(graphed, prompts, params, every=2)
+    assert got == expected
+    assert [len(t) for t in got] == [p.max_tokens for p in params]
+    prefill_keys = [key for graphable, prefill, key in keys if prefill]
+    if k == 0:
+        # Every prefill step but the 70-token one replayed a graph, beside decodes or alone.
+        assert sum(key is None for key in prefill_keys) == 1
+        assert all(key[1] == 1 for key in prefill_keys if key is not None)
+        assert any(graphable for graphable, prefill, key in keys if not prefill)
+    else:
+        assert all(key is None for key in prefill_keys)
