@@ -61,6 +61,10 @@ class ModelRunner:
         model.bind_caches(kv, idx)
         self.states: dict[str, _SeqState] = {}
         self.graphs = None
+        # Steps that prefill replay the decode graph where they can (`_graph_key`); the
+        # worker's warm-up turns this off for its dummy prefills, which are there to compile
+        # the eager path's kernel variants.
+        self.prefill_in_graphs = True
         if device.type == "cuda" and cuda_graph_max_batch > 0:
             from workers.cuda_graph import DecodeGraphs
 
@@ -281,7 +285,9 @@ class ModelRunner:
         work on the H200, BENCHMARKS.md); chunks longer than the largest bucket stay eager."""
         if graphable:
             return len(seqs), len(seqs[0].token_ids)
-        if self.graphs is None or drafting or any(s.num_draft_tokens for s in seqs):
+        if self.graphs is None or not self.prefill_in_graphs or drafting:
+            return None
+        if any(s.num_draft_tokens for s in seqs):
             return None
         num_tokens = sum(len(s.token_ids) for s in seqs)
         return (num_tokens, 1) if num_tokens <= self.graphs.max_batch else None

@@ -266,11 +266,21 @@ class Worker:
         after it (with MTP: a verify step, and a proposal after each), so that the first request
         does not compile or load the eager path's kernels (GPU) or build the matmul primitives of
         its shapes (CPU). Its KV goes to blocks after the null block that no request holds yet;
-        the runner then forgets the dummy request."""
-        on_gpu = self.device.type == "cuda"
+        the runner then forgets the dummy request. The prefills run eagerly even where a
+        prefill step could replay the decode graph (`ModelRunner.prefill_in_graphs`): a chunk
+        past the graphs' largest bucket still runs the eager path."""
         block_size = self.runner.block_size
         table_slots = max_blocks_per_seq(self.max_seq_slots, block_size) * block_size
         max_prompt = table_slots - 1 - num_draft_tokens
+        self.runner.prefill_in_graphs = False  # these prefills are for the eager path's kernels
+        try:
+            self._warm_up_prefills(num_draft_tokens, share_topk, max_prompt)
+        finally:
+            self.runner.prefill_in_graphs = True
+
+    def _warm_up_prefills(self, num_draft_tokens: int, share_topk: bool, max_prompt: int) -> None:
+        on_gpu = self.device.type == "cuda"
+        block_size = self.runner.block_size
         for num_tokens in warm_up_prefill_lengths(block_size, on_gpu, max_prompt):
             num_blocks = -(-(num_tokens + 1 + num_draft_tokens) // self.runner.block_size)
             if num_blocks + 1 > self.num_kv_blocks:

@@ -157,3 +157,30 @@ def test_warm_up_lengths_on_a_gpu_fit_the_context():
     assert warm_up_prefill_lengths(64, True, 4096) == (16, 17, 81, 1024)
     assert warm_up_prefill_lengths(64, True, 1023) == (16, 17, 81, 1023)
     assert warm_up_prefill_lengths(16, True, 40) == (16, 17, 33, 40)
+
+
+def test_prefill_warm_up_runs_the_eager_path_with_graphs(worker):
+    """With MTP off a step that prefills replays the decode graph when it fits; the warm-up's
+    dummy prefills must not, they exist to compile the eager path's kernel variants (which a
+    chunk past the largest bucket still runs). Graphs stand in on CPU: each step's graph key
+    is recorded, and the step then runs eagerly."""
+    runner = worker.runner
+    keys = []
+    graph_key = runner._graph_key
+    runner.graphs = _Graphs([1, 2, 4, 8, 16, 32, 64, 128], [])
+    runner.graphs.max_batch = 128
+
+    def record(seqs, graphable, drafting):
+        keys.append((graphable, graph_key(seqs, graphable, drafting)))
+
+    runner._graph_key = record  # returns None: every step eager
+    try:
+        worker._warm_up_prefill(0, False)
+        prefills = [key for graphable, key in keys if not graphable]
+        assert prefills and all(key is None for key in prefills)
+        assert runner.prefill_in_graphs  # back on for served steps
+        prefill = SeqWork("r", [5] * 16, 0, [5], 0, samples=True)
+        assert graph_key([prefill], False, False) == (16, 1)
+    finally:
+        runner.graphs = None
+        del runner._graph_key
