@@ -434,12 +434,15 @@ def table(rows: list[dict]) -> str:
 
 
 def _commit() -> str:
+    """GIT_COMMIT when set (a copied tree may carry a stale .git), else git's HEAD."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,8 @@
 #   bash benchmarks/gpu_serve_runs.sh default_tp1 [colocated|two]  # the default model, MTP k=3
 #   bash benchmarks/gpu_serve_runs.sh default_tp2 [colocated|two]  # 2 GPUs: the default model, TP=2
 # No shape: bench_serve's default (colocated). JSON lands in $OUT (the device's output folder) or
-# /tmp/bench_serve; tables go to stdout.
+# /tmp/bench_serve; tables go to stdout. GIT_COMMIT=<sha> names the tree in the JSON where the
+# copy's .git is stale.
 set -euo pipefail
 part=${1:-tiny_tp1}
 shape=${2:-}
