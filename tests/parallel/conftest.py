@@ -1,6 +1,6 @@
 """Ray for the distributed tests: one local instance (num_cpus=2, like the CI box) shared by the
-modules that need it. test_multinode.py needs a Ray of its own: it shuts this one down and the
-next module that asks for `ray_local` starts it again."""
+modules that need it, started once and stopped when the session ends. test_multinode.py's
+two-node cluster runs in a process of its own and leaves this one alone."""
 
 from __future__ import annotations
 

@@ -1,0 +1,57 @@
+"""Two Ray nodes on one machine (1 CPU each), one TP/EP rank per node, in an interpreter of its
+own: `python -m tests.parallel.two_node_check < request.json` prints, as JSON, the live nodes,
+the node of each rank and the greedy tokens of TP=2/EP=2 with MTP k = 2 and top-k sharing.
+
+Run by test_multinode.py in a fresh process, so that the cluster starts in a process that has
+never run Ray (the test session's process has started and stopped Ray several times by then).
+Request: {"model": dir, "prompts": [[ids]], "step_timeout_s": s}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> int:
+    request = json.load(sys.stdin)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from cluster.llm import LLM
+    from tests.parallel.conftest import greedy_params
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        llm = LLM(
+            request["model"],
+            tp_size=2,
+            ep_size=2,
+            num_draft_tokens=2,
+            share_topk=True,
+            dtype="float32",
+            actor_num_cpus=1,
+            placement_strategy="STRICT_SPREAD",
+            step_timeout_s=request["step_timeout_s"],
+        )
+        try:
+            workers = llm.engine.executor.workers
+            result = {
+                "alive_nodes": len([n for n in ray.nodes() if n["Alive"]]),
+                "rank_nodes": ray.get([w.node_id.remote() for w in workers], timeout=60),
+                "tokens": [o.token_ids for o in llm.generate(request["prompts"], greedy_params())],
+            }
+        finally:
+            llm.engine.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
