@@ -4,10 +4,12 @@ decoding requests alone, against the same step when one request arrives before i
     python benchmarks/bench_mixed_step.py [--model DIR | --default-model] [--device auto]
         [--batches 1,8,32,128] [--prompt-len 32] [--steps 30]
 
-A decode step of same-length sequences replays a CUDA graph; a step that also carries a prefill
-runs the whole batch eagerly (`ModelRunner._graphable`), so under a steady stream of arrivals
-(what a server sees, and what the HTTP benchmark's bursts of requests look like to the engine)
-most steps are eager. Per batch size B: the median `LLMEngine.step()` time of decode-only steps,
+A decode step of same-length sequences replays a CUDA graph. A step that also carries a prefill
+replays the one-token decode graph with the prompt's tokens as rows when MTP is off and the rows
+fit its largest bucket (`ModelRunner._graph_key`), and otherwise runs the whole batch eagerly:
+under a steady stream of arrivals (what a server sees, and what the HTTP benchmark's bursts of
+requests look like to the engine) that is most steps. Per batch size B: the median
+`LLMEngine.step()` time of decode-only steps,
 of steps carrying one arriving request's prefill of `--prompt-len` tokens, their ratio, and the
 prefill's own step time alone (one request, nothing decoding). Greedy, MTP off, ignore_eos.
 """
