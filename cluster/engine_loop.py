@@ -162,9 +162,10 @@ class EngineLoop:
         """Whether a step has work (else the loop may wait for a command)."""
         return self.engine.has_unfinished and self.dead is None
 
-    def turn(self, commands: list[Add | Abort]) -> tuple[list[RequestOutput | Refusal], list[str]]:
-        """Apply `commands` in order, then step if there is work: -> (the outputs and
-        refusals, the ids of the requests aborted here, whose blocks are free now)."""
+    def turn(self, commands: list[Add | Abort]) -> tuple[list[Delivery | Refusal], list[str]]:
+        """Apply `commands` in order, then step if there is work: -> (what is due to the
+        callers, paced: deliveries and refusals; the ids of the requests aborted here, whose
+        blocks are free now)."""
         outputs: list[RequestOutput | tuple | Refusal] = []
         aborted: list[str] = []
         for command in commands:

@@ -285,9 +285,8 @@ class ModelRunner:
         work on the H200, BENCHMARKS.md); chunks longer than the largest bucket stay eager."""
         if graphable:
             return len(seqs), len(seqs[0].token_ids)
+        # With MTP off (not drafting) no sequence carries drafts.
         if self.graphs is None or not self.prefill_in_graphs or drafting:
-            return None
-        if any(s.num_draft_tokens for s in seqs):
             return None
         num_tokens = sum(len(s.token_ids) for s in seqs)
         return (num_tokens, 1) if num_tokens <= self.graphs.max_batch else None

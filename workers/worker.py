@@ -272,35 +272,33 @@ class Worker:
         block_size = self.runner.block_size
         table_slots = max_blocks_per_seq(self.max_seq_slots, block_size) * block_size
         max_prompt = table_slots - 1 - num_draft_tokens
-        self.runner.prefill_in_graphs = False  # these prefills are for the eager path's kernels
+        on_gpu = self.device.type == "cuda"
+        self.runner.prefill_in_graphs = False
         try:
-            self._warm_up_prefills(num_draft_tokens, share_topk, max_prompt)
+            for num_tokens in warm_up_prefill_lengths(block_size, on_gpu, max_prompt):
+                num_blocks = -(-(num_tokens + 1 + num_draft_tokens) // block_size)
+                if num_blocks + 1 > self.num_kv_blocks:
+                    continue
+                block_ids = list(range(1, num_blocks + 1))
+                prefill = SeqWork(
+                    WARM_UP_REQUEST_ID, [0] * num_tokens, 0, block_ids, 0, samples=True
+                )
+                [result] = self.runner.execute(
+                    StepInput([prefill], num_draft_tokens, share_topk)
+                ).results
+                drafts = result.next_draft_token_ids
+                decode = SeqWork(
+                    WARM_UP_REQUEST_ID,
+                    result.sampled_token_ids[-1:] + drafts,
+                    num_tokens,
+                    block_ids,
+                    len(drafts),
+                    samples=True,
+                )
+                self.runner.execute(StepInput([decode], num_draft_tokens, share_topk))
+                self.runner.execute(StepInput([], finished_request_ids=[WARM_UP_REQUEST_ID]))
         finally:
             self.runner.prefill_in_graphs = True
-
-    def _warm_up_prefills(self, num_draft_tokens: int, share_topk: bool, max_prompt: int) -> None:
-        on_gpu = self.device.type == "cuda"
-        block_size = self.runner.block_size
-        for num_tokens in warm_up_prefill_lengths(block_size, on_gpu, max_prompt):
-            num_blocks = -(-(num_tokens + 1 + num_draft_tokens) // self.runner.block_size)
-            if num_blocks + 1 > self.num_kv_blocks:
-                continue
-            block_ids = list(range(1, num_blocks + 1))
-            prefill = SeqWork(WARM_UP_REQUEST_ID, [0] * num_tokens, 0, block_ids, 0, samples=True)
-            [result] = self.runner.execute(
-                StepInput([prefill], num_draft_tokens, share_topk)
-            ).results
-            drafts = result.next_draft_token_ids
-            decode = SeqWork(
-                WARM_UP_REQUEST_ID,
-                result.sampled_token_ids[-1:] + drafts,
-                num_tokens,
-                block_ids,
-                len(drafts),
-                samples=True,
-            )
-            self.runner.execute(StepInput([decode], num_draft_tokens, share_topk))
-            self.runner.execute(StepInput([], finished_request_ids=[WARM_UP_REQUEST_ID]))
 
     def ping(self) -> bool:
         return True

@@ -152,27 +152,21 @@ def test_gpu_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir,
     """Prompts added one every other step while earlier ones decode, as a server sees them: the
     steps that prefill them beside the decodes replay the q = 1 decode graph (their tokens as
     rows); greedy tokens equal the eager engine's (and in fp32 the CPU reference's)."""
-    from tests.workers.test_runner_host import _generate_staggered
+    from tests.workers.arrivals import generate_staggered, record_graph_keys
 
     params = [
         SamplingParams(max_tokens=8 + i, temperature=0, ignore_eos=True)
         for i in range(len(prompts))
     ]
     options = dict(device="cuda", dtype=dtype, num_draft_tokens=0, max_num_seqs=64)
-    eager, _ = _generate_staggered(
+    eager = generate_staggered(
         LLM(tiny_model_dir, enforce_eager=True, **options), prompts, params, 2
     )
     llm = LLM(tiny_model_dir, **options)
-    runner = llm.engine.executor.worker.runner
-    keys = []
-    graph_key = runner._graph_key
-    runner._graph_key = lambda seqs, graphable, drafting: (
-        keys.append((graphable, graph_key(seqs, graphable, drafting))) or keys[-1][1]
-    )
-    graphed, _ = _generate_staggered(llm, prompts, params, 2)
+    keys = record_graph_keys(llm.engine.executor.worker.runner)
+    graphed = generate_staggered(llm, prompts, params, 2)
     assert graphed == eager
-    assert any(key is not None and not graphable for graphable, key in keys)  # prefill rows
+    assert any(prefill and key is not None for _, prefill, key in keys)  # prefill rows
     if dtype == "float32":
         cpu = LLM(tiny_model_dir, device="cpu", dtype="float32", num_draft_tokens=0)
-        reference, _ = _generate_staggered(cpu, prompts, params, 2)
-        assert graphed == reference
+        assert graphed == generate_staggered(cpu, prompts, params, 2)

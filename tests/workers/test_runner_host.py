@@ -12,6 +12,7 @@ import torch
 
 from cluster.llm import LLM
 from cluster.sampling_params import SamplingParams
+from tests.workers.arrivals import generate_staggered, record_graph_keys
 from workers.batch import SeqWork
 from workers.cuda_graph import DecodeGraphs, ProposeGraphs
 from workers.step_tensors import StepLayout, pack_step
@@ -154,27 +155,6 @@ def test_graph_path_is_the_eager_path_token_for_token(tiny_model_dir, k):
         assert any(graph.replays for graph, _, _ in propose.graphs.values())
 
 
-def _is_prefill(seq: SeqWork) -> bool:
-    return not seq.samples or len(seq.token_ids) != 1 + seq.num_draft_tokens
-
-
-def _generate_staggered(llm: LLM, prompts, params, every: int) -> tuple[list[list[int]], int]:
-    """One prompt added every `every` steps while the earlier ones decode (as requests reach a
-    server) -> (token ids in prompt order, steps run)."""
-    engine = llm.engine
-    ids, final, steps = [], {}, 0
-    pending = list(zip(prompts, params))
-    while pending or engine.has_unfinished:
-        if pending and steps % every == 0:
-            prompt, sp = pending.pop(0)
-            ids.append(engine.add_request(prompt, sp))
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.token_ids
-        steps += 1
-    return [final[i] for i in ids], steps
-
-
 @pytest.mark.parametrize("k", [0, 2])
 def test_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, k):
     """MTP off, a step that prefills a prompt beside decoding requests runs as rows of the
@@ -189,19 +169,11 @@ def test_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, k):
         for i in range(len(prompts))
     ]
     eager = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=64)
-    expected, _ = _generate_staggered(eager, prompts, params, every=2)
+    expected = generate_staggered(eager, prompts, params, every=2)
     graphed = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=64)
     _with_cpu_graphs(graphed, max_batch=64)
-    runner = graphed.engine.executor.worker.runner
-    keys = []
-    graph_key = runner._graph_key
-    runner._graph_key = lambda seqs, graphable, drafting: (
-        keys.append(
-            (graphable, any(_is_prefill(s) for s in seqs), graph_key(seqs, graphable, drafting))
-        )
-        or keys[-1][2]
-    )
-    got, _ = _generate_staggered(graphed, prompts, params, every=2)
+    keys = record_graph_keys(graphed.engine.executor.worker.runner)
+    got = generate_staggered(graphed, prompts, params, every=2)
     assert got == expected
     assert [len(t) for t in got] == [p.max_tokens for p in params]
     prefill_keys = [key for graphable, prefill, key in keys if prefill]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kernels.settings import reload_settings
+from tests.workers.arrivals import record_graph_keys
 from workers.batch import SeqWork, StepInput
 from workers.worker import (
     WARM_UP_REQUEST_ID,
@@ -165,22 +166,17 @@ def test_prefill_warm_up_runs_the_eager_path_with_graphs(worker):
     chunk past the largest bucket still runs). Graphs stand in on CPU: each step's graph key
     is recorded, and the step then runs eagerly."""
     runner = worker.runner
-    keys = []
-    graph_key = runner._graph_key
     runner.graphs = _Graphs([1, 2, 4, 8, 16, 32, 64, 128], [])
     runner.graphs.max_batch = 128
-
-    def record(seqs, graphable, drafting):
-        keys.append((graphable, graph_key(seqs, graphable, drafting)))
-
-    runner._graph_key = record  # returns None: every step eager
+    keys = record_graph_keys(runner, replay=False)
     try:
         worker._warm_up_prefill(0, False)
-        prefills = [key for graphable, key in keys if not graphable]
+        prefills = [key for _, prefill, key in keys if prefill]
         assert prefills and all(key is None for key in prefills)
         assert runner.prefill_in_graphs  # back on for served steps
         prefill = SeqWork("r", [5] * 16, 0, [5], 0, samples=True)
-        assert graph_key([prefill], False, False) == (16, 1)
+        del runner._graph_key
+        assert runner._graph_key([prefill], False, False) == (16, 1)
     finally:
         runner.graphs = None
-        del runner._graph_key
+        runner.__dict__.pop("_graph_key", None)
