@@ -253,7 +253,7 @@ class MLAAttention(nn.Module):
         w_kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
         # Batched over heads: what einsum("thd,hdl->thl") runs, without its per-call parsing
-        # (8.6% of an eager prefill step's host time on the H200, BENCHMARKS.md).
+        # (a visible share of an eager step's host time in a profile on the H200).
         q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora]
         out_latent = ops.sparse_mla_attention(
             torch.cat([q_absorbed, q_rope], -1),

@@ -281,8 +281,9 @@ class ModelRunner:
         one row of the q = 1 graph of its bucket, since the forward reads each row's own
         position and table row (workers.attention_metadata) and writes every row's keys before
         any row attends. A prompt arriving while others decode then costs one graph replay
-        instead of an eager forward of the whole batch (~8 ms of host time for 0.3 ms of GPU
-        work on the H200, BENCHMARKS.md); chunks longer than the largest bucket stay eager."""
+        instead of an eager forward of the whole batch (a prompt's prefill step on the default
+        model: 0.70 ms against 8.1 on the H200, bench_mixed_step.py, BENCHMARKS.md); chunks
+        longer than the largest bucket stay eager."""
         if graphable:
             return len(seqs), len(seqs[0].token_ids)
         # With MTP off (not drafting) no sequence carries drafts.
