@@ -272,11 +272,14 @@ def transformers_step_ms(model, config, prompt_len: int = 1024, new_tokens: int 
     return (timings[new_tokens] - timings[1]) * 1e3 / (new_tokens - 1)
 
 
-def profile_step(bench: DecodeBench, batch: int = 1, context: int = 1024) -> None:
-    """The GPU kernels of one eager decode step, by total time, against the graph replay."""
+def profile_step(
+    bench: DecodeBench, batch: int = 1, context: int = 1024, tokens_per_seq: int = 1
+) -> None:
+    """The GPU kernels of one eager step, by total time: a decode step (against its graph
+    replay), or with `tokens_per_seq` > 1 one prefill chunk of that many tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = bench.eager_step(batch, context, 1)
+    step = bench.eager_step(batch, context, tokens_per_seq)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -289,11 +292,13 @@ def profile_step(bench: DecodeBench, batch: int = 1, context: int = 1024) -> Non
     total = sum(e.device_time_total for e in events) / 5
     launches = sum(e.count for e in events) / 5
     print(f"kernels per step {launches:.0f}, kernel time per step {total / 1e3:.3f} ms")
-    print(f"{'us/step':>9} {'count':>6}  kernel")
+    print(f"{'us/step':>9} {'share':>6} {'count':>6}  kernel")
     for e in events[:45]:
-        print(f"{e.device_time_total / 5:9.1f} {e.count / 5:6.0f}  {e.key[:110]}")
-    graphs = bench.graphs(True, batch)
-    print(f"graph replay {bench.graph_ms(graphs, batch, context, 1):.3f} ms/step")
+        us = e.device_time_total / 5
+        print(f"{us:9.1f} {us / total * 100:5.1f}% {e.count / 5:6.0f}  {e.key[:110]}")
+    if tokens_per_seq == 1:
+        graphs = bench.graphs(True, batch)
+        print(f"graph replay {bench.graph_ms(graphs, batch, context, 1):.3f} ms/step")
 
 
 def main() -> None:
@@ -310,7 +315,10 @@ def main() -> None:
         "--tp", type=int, default=1, help="only the decode steps, TP=1 against TP=N (N GPUs)"
     )
     ap.add_argument(
-        "--profile", action="store_true", help="print the kernels of one b=1, 1k step and exit"
+        "--profile",
+        action="store_true",
+        help="print the kernels of one b=1, 1k step (with --prefill-only: of one prefill chunk) "
+        "and exit",
     )
     args = ap.parse_args()
     lines = []
@@ -443,6 +451,9 @@ def run_single(args, emit, bw: float) -> None:
         + (f", {converted} layers in block-scaled FP8 (LM head bf16)" if args.fp8 else "")
     )
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
+    if args.profile and args.prefill_only:
+        profile_step(bench, 1, 0, args.prefill_chunk)
+        return
     if args.profile:
         profile_step(bench)
         return

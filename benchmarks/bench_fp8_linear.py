@@ -3,7 +3,8 @@ GEMM (torch._scaled_mm, per-tensor scales) and the HBM floor of reading the FP8 
 
 Default: one markdown table, the shipped tile configs: w8a16 (kernels/fp8_linear.py, weights
 dequantized in registers) and w8a8 (kernels/fp8_gemm.py, activations quantized per token and 128,
-then FP8 x FP8 tensor cores; the time includes the quantization).
+then FP8 x FP8 tensor cores; the time includes the quantization), and the same w8a8 product on
+cuBLASLt's block-scaled GEMM (kernels/fp8_cublaslt.py) with its error against the twin.
 
 --sweep: for each projection and M in SWEEP_TOKENS, a small grid of tile configs of both kernels;
 prints the best per (projection, M), then dict literals to paste into kernels/fp8_linear.py
@@ -30,7 +31,14 @@ from functools import partial
 import torch
 
 from benchmarks.bench_kernels import copy_bandwidth_gbs
-from kernels.fp8 import FP8_DTYPE, quantize_fp8_reference, scale_grid
+from kernels.fp8 import (
+    FP8_DTYPE,
+    fp8_linear_act_quant_reference,
+    quantize_fp8_reference,
+    scale_grid,
+)
+from kernels.fp8_act_quant import quantize_activations_triton
+from kernels.fp8_cublaslt import cublaslt_block_scaled, cublaslt_shape_ok, fp8_gemm_cublaslt
 from kernels.fp8_gemm import fp8_linear_w8a8_triton
 from kernels.fp8_linear import Fp8TileConfig, fp8_linear_triton
 from kernels.moe_experts import GroupedGemmConfig, grouped_moe_triton
@@ -115,6 +123,23 @@ def peers_us(x: torch.Tensor, w_bf16: torch.Tensor, weight: torch.Tensor) -> tup
     return bf16, scaled
 
 
+def cublaslt_us(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> str:
+    """cuBLASLt's block-scaled w8a8 (kernels/fp8_cublaslt.py, the activations' quantization
+    included) and its largest error against the twin, relative to the largest output; "n/a"
+    where this PyTorch / device or the shape does not take it."""
+    rows = -(-x.shape[0] // 16) * 16
+    if not (cublaslt_block_scaled(x.device) and cublaslt_shape_ok(rows, *weight.shape)):
+        return "n/a"
+
+    def run():
+        q, q_scale = quantize_activations_triton(x, scales_token_major=True, rows_multiple=16)
+        return fp8_gemm_cublaslt(q, q_scale, weight, scale, x.dtype)[: x.shape[0]]
+
+    want = fp8_linear_act_quant_reference(x.float(), weight, scale)
+    err = ((run().float() - want).abs().max() / want.abs().max()).item()
+    return f"{graph_us(run, reps=50):.1f} ({err:.0e})"
+
+
 def floor_us(n: int, k: int, t: int, bw: float) -> float:
     return (n * k + t * k * 2 + t * n * 2) / bw * 1e6
 
@@ -122,9 +147,9 @@ def floor_us(n: int, k: int, t: int, bw: float) -> float:
 def table(shapes: dict, tokens: list[int], bw: float) -> None:
     print(
         "| projection | tokens | w8a16 us | w8a8 us | floor us | bf16 cuBLAS us "
-        "| fp8 _scaled_mm us |"
+        "| fp8 _scaled_mm us | w8a8 cuBLASLt block-scaled us (error) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda") * k**-0.5
         weight, scale = quantize_fp8_reference(w)
@@ -136,7 +161,8 @@ def table(shapes: dict, tokens: list[int], bw: float) -> None:
             bf16, scaled = peers_us(x, w_bf16, weight)
             print(
                 f"| {name} | {t} | {w8a16:.1f} | {w8a8:.1f} | {floor_us(n, k, t, bw):.1f} "
-                f"| {bf16:.1f} | {scaled:.1f} |"
+                f"| {bf16:.1f} | {scaled:.1f} | {cublaslt_us(x, weight, scale)} |",
+                flush=True,
             )
 
 

@@ -42,6 +42,8 @@ def _act_quant_kernel(
     num_groups,
     x_row_stride,
     q_row_stride,
+    scale_token_stride,
+    scale_group_stride,
     GROUPS: tl.constexpr,
     GROUP: tl.constexpr,
     FP8_MAX_VALUE: tl.constexpr,
@@ -58,17 +60,34 @@ def _act_quant_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     q, scale = quantize_groups(x, FP8_MAX_VALUE)
     tl.store(q_ptr + token * q_row_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + token * num_groups + groups, scale, mask=groups < num_groups)
+    tl.store(
+        scale_ptr + token * scale_token_stride + groups * scale_group_stride,
+        scale,
+        mask=groups < num_groups,
+    )
 
 
-def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations_triton(
+    x: torch.Tensor, scales_token_major: bool = False, rows_multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `kernels.fp8.quantize_activations_reference`: x [T, C] ->
-    (q [T, C] float8_e4m3fn, scales [T, ceil(C/128)] float32), both contiguous."""
+    (q [T, C] float8_e4m3fn, contiguous; scales [T, ceil(C/128)] float32, contiguous).
+
+    For cuBLASLt's block-scaled GEMM (kernels/fp8_cublaslt.py): `scales_token_major` stores the
+    scales column by column (strides (1, rows)), and `rows_multiple` rounds the rows up to a
+    multiple of it, the extra rows zero (scale 1)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, num_cols = x.shape
     num_groups = triton.cdiv(num_cols, FP8_BLOCK)
-    q = torch.empty(num_tokens, num_cols, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(num_tokens, num_groups, dtype=torch.float32, device=x.device)
+    rows = -(-num_tokens // rows_multiple) * rows_multiple
+    q = torch.empty(rows, num_cols, dtype=FP8_DTYPE, device=x.device)
+    scale_strides = (1, rows) if scales_token_major else (num_groups, 1)
+    scale = torch.empty_strided(
+        (rows, num_groups), scale_strides, dtype=torch.float32, device=x.device
+    )
+    if rows > num_tokens:
+        q[num_tokens:].zero_()
+        scale[num_tokens:].fill_(1.0)
     if num_tokens == 0 or num_cols == 0:
         return q, scale
     groups_per_program = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(num_groups))
@@ -83,6 +102,8 @@ def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         num_groups,
         x.stride(0),
         q.stride(0),
+        scale.stride(0),
+        scale.stride(1),
         GROUPS=groups_per_program,
         GROUP=FP8_BLOCK,
         FP8_MAX_VALUE=FP8_MAX,

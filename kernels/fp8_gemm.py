@@ -20,6 +20,12 @@ import torch
 
 from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
 from kernels.fp8_act_quant import quantize_activations_triton
+from kernels.fp8_cublaslt import (
+    CUBLASLT_MIN_ROWS,
+    cublaslt_block_scaled,
+    cublaslt_shape_ok,
+    fp8_gemm_cublaslt,
+)
 from kernels.fp8_linear import Fp8TileConfig, _sum_splits_kernel, config_for_rows, split_k
 from kernels.launch import check_tensor, launch
 from kernels.platform import tl, triton, triton_interpreter
@@ -232,3 +238,26 @@ def fp8_linear_w8a8_triton(
     128 columns, then the w8a8 GEMM -> [T, out_features] in x's dtype."""
     q, q_scale = quantize_activations_triton(x)
     return fp8_gemm_triton(q, q_scale, weight, scale_inv, x.dtype, config)
+
+
+def fp8_linear_w8a8(
+    x: torch.Tensor,  # [T, in_features] bf16 / fp16
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
+    scale_inv: torch.Tensor,  # [ceil(out/128), ceil(in/128)] float32
+) -> torch.Tensor:
+    """The w8a8 linear (twin `fp8_linear_act_quant_reference`): from CUBLASLT_MIN_ROWS rows on,
+    where this device's cuBLASLt takes DeepSeek's block scales and the shape its layouts,
+    cuBLASLt's block-scaled FP8 GEMM (rows padded to 16); otherwise the Triton kernel."""
+    num_rows = x.shape[0]
+    out_features, in_features = weight.shape
+    padded = -(-num_rows // 16) * 16
+    if (
+        num_rows >= CUBLASLT_MIN_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.is_contiguous()
+        and cublaslt_shape_ok(padded, out_features, in_features)
+        and cublaslt_block_scaled(x.device)
+    ):
+        q, q_scale = quantize_activations_triton(x, scales_token_major=True, rows_multiple=16)
+        return fp8_gemm_cublaslt(q, q_scale, weight, scale_inv, x.dtype)[:num_rows]
+    return fp8_linear_w8a8_triton(x, weight, scale_inv)

@@ -21,7 +21,7 @@ from kernels.cache_write import (
 )
 from kernels.fp8 import fp8_linear_reference
 from kernels.fp8_cache import fp8_cache_write_reference, fp8_cache_write_triton, is_fp8_cache
-from kernels.fp8_gemm import W8A8_MIN_TOKENS, fp8_linear_w8a8_triton
+from kernels.fp8_gemm import W8A8_MIN_TOKENS, fp8_linear_w8a8
 from kernels.fp8_linear import fp8_linear_triton
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton, warm_up_topk_select
 from kernels.indexer_fp8 import hadamard_rotate_reference, indexer_fp8_reference
@@ -68,12 +68,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     fp32 activations and few rows: the weight dequantized in registers (w8a16, the twin's exact
     math). bf16 / fp16 activations with at least W8A8_MIN_TOKENS rows, on FP8 tensor cores:
     the activations quantized per token and 128 columns, then the FP8 x FP8 GEMM (w8a8, the
-    activation twin `fp8_linear_act_quant_reference`), when MTPSERVE_FP8_W8A8=1.
+    activation twin `fp8_linear_act_quant_reference`; Triton, or cuBLASLt's block-scaled GEMM
+    for large row counts where it runs: `kernels.fp8_gemm.fp8_linear_w8a8`), when
+    MTPSERVE_FP8_W8A8=1.
     """
     if not use_triton(x.device):
         return fp8_linear_reference(x, weight, scale_inv)
     if use_fp8_w8a8(x):
-        return fp8_linear_w8a8_triton(x, weight, scale_inv)
+        return fp8_linear_w8a8(x, weight, scale_inv)
     return fp8_linear_triton(x, weight, scale_inv)
 
 

@@ -61,3 +61,22 @@ def test_act_quant_twin_on_a_closed_form() -> None:
     assert scale.tolist() == [[0.125, 1.0], [1.0, 1.0]]
     assert torch.equal(q.float()[0, : codes.numel()] * 0.125, x[0, : codes.numel()])
     assert (q.float()[1] == 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("num_tokens", [1, 16, 21])
+def test_act_quant_token_major_scales_and_padded_rows(num_tokens) -> None:
+    """The layout cuBLASLt's block-scaled GEMM reads: scales stored column by column, rows
+    rounded up to 16 with the extra rows zero (scale 1); the real rows are the twin's."""
+    x = _activations(num_tokens, 700, torch.bfloat16, seed=2)
+    want_q, want_scale = quantize_activations_reference(x)
+    got_q, got_scale = quantize_activations_triton(
+        x.to(DEVICE), scales_token_major=True, rows_multiple=16
+    )
+    rows = -(-num_tokens // 16) * 16
+    assert got_q.shape == (rows, 700) and got_scale.shape == (rows, 6)
+    assert got_scale.stride() == (1, rows)
+    assert torch.equal(got_scale[:num_tokens].cpu(), want_scale)
+    assert torch.equal(got_q[:num_tokens].cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert (got_q[num_tokens:].cpu().float() == 0).all()
+    assert (got_scale[num_tokens:].cpu() == 1).all()

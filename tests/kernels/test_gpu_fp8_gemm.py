@@ -15,7 +15,18 @@ from kernels.fp8 import (
     quantize_fp8_reference,
 )
 from kernels.fp8_act_quant import quantize_activations_triton
-from kernels.fp8_gemm import W8A8_CONFIGS, fp8_gemm_triton, fp8_linear_w8a8_triton
+from kernels.fp8_cublaslt import (
+    CUBLASLT_MIN_ROWS,
+    cublaslt_block_scaled,
+    cublaslt_shape_ok,
+    fp8_gemm_cublaslt,
+)
+from kernels.fp8_gemm import (
+    W8A8_CONFIGS,
+    fp8_gemm_triton,
+    fp8_linear_w8a8,
+    fp8_linear_w8a8_triton,
+)
 from kernels.platform import pdl_enabled
 from tests.kernels.conftest import assert_close, pdl_on_and_off_over_graph_replays
 
@@ -99,3 +110,38 @@ def test_fp8_linear_w8a8_pdl_on_and_off_identical_over_graph_replays(monkeypatch
     )
     assert mismatches == 0
     assert all(torch.equal(a, b) for a, b in zip(on, off))
+
+
+needs_cublaslt = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="cuBLASLt's block-scaled FP8 GEMM is taken on compute capability 9.0",
+)
+
+
+@needs_cublaslt
+def test_cublaslt_block_scaled_runs_here() -> None:
+    """On an H100 / H200 with this PyTorch the probe must find it (else prefill silently keeps
+    the slower Triton kernel)."""
+    assert cublaslt_block_scaled(CUDA)
+
+
+@needs_cublaslt
+@pytest.mark.parametrize("num_tokens", [16, 256, 1000, 2048])
+@pytest.mark.parametrize(
+    "shape", [s for s in SHAPES if cublaslt_shape_ok(16, *s)], ids=lambda s: f"{s[0]}x{s[1]}"
+)
+def test_cublaslt_gemm_real_shapes(shape, num_tokens) -> None:
+    """cuBLASLt's block-scaled GEMM is the w8a8 twin at DeepSeek-V3.2's shapes; the linear
+    takes it from CUBLASLT_MIN_ROWS rows (1000: padded to 1008) and is the activation twin."""
+    weight, scale = _weight(*shape)
+    x = torch.randn(num_tokens, shape[1], dtype=torch.bfloat16, device=CUDA)
+    x *= torch.logspace(-2, 2, shape[1] // 128, device=CUDA).repeat_interleave(128)
+    q, q_scale = quantize_activations_triton(x, scales_token_major=True, rows_multiple=16)
+    got = fp8_gemm_cublaslt(q, q_scale, weight, scale, torch.bfloat16)[:num_tokens]
+    want = fp8_gemm_reference(q[:num_tokens], q_scale[:num_tokens], weight, scale, torch.bfloat16)
+    assert_close(got, want)
+    linear = fp8_linear_w8a8(x, weight, scale)
+    assert linear.shape == (num_tokens, shape[0])
+    assert_close(linear, fp8_linear_act_quant_reference(x, weight, scale))
+    if num_tokens >= CUBLASLT_MIN_ROWS:  # the linear took cuBLASLt: the same bits as above
+        assert torch.equal(linear, got)

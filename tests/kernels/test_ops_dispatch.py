@@ -11,6 +11,7 @@ from kernels import (
     activation,
     cache_write,
     fp8,
+    fp8_gemm,
     indexer,
     linear_fp32,
     moe_experts,
@@ -92,7 +93,7 @@ def test_fp8_linear_dispatch(monkeypatch, triton_on, dtype, num_rows, enable, ex
     for name, label in (
         ("fp8_linear_reference", "twin"),
         ("fp8_linear_triton", "w8a16"),
-        ("fp8_linear_w8a8_triton", "w8a8"),
+        ("fp8_linear_w8a8", "w8a8"),
     ):
         monkeypatch.setattr(ops, name, lambda *args, label=label: called.append(label))
     ops.fp8_linear(torch.zeros(num_rows, 8, dtype=dtype), torch.zeros(4, 8), torch.ones(1, 1))
@@ -121,3 +122,45 @@ def test_fp8_tensor_cores(monkeypatch, device, capability, hip, expect) -> None:
     monkeypatch.setattr(platform, "_cuda_capability", lambda index: capability)
     monkeypatch.setattr(torch.version, "hip", hip)
     assert platform.fp8_tensor_cores(torch.device(device)) == expect
+
+
+@pytest.mark.parametrize(
+    "num_rows, out_features, in_features, available, contiguous, expect",
+    [
+        (fp8_gemm.CUBLASLT_MIN_ROWS, 256, 512, True, True, "cublaslt"),
+        (1000, 256, 512, True, True, "cublaslt"),  # rows padded to 1008
+        (fp8_gemm.CUBLASLT_MIN_ROWS - 1, 256, 512, True, True, "triton"),
+        (2048, 256, 512, False, True, "triton"),  # this PyTorch / device does not take it
+        (2048, 576, 512, True, True, "triton"),  # kv_a's 576 rows: a partial 128-block
+        (2048, 256, 384, True, True, "triton"),  # K of 3 blocks: not a multiple of 4
+        (2048, 256, 512, True, False, "triton"),  # a strided weight view
+    ],
+)
+def test_fp8_linear_w8a8_takes_cublaslt_where_it_holds(
+    monkeypatch, num_rows, out_features, in_features, available, contiguous, expect
+) -> None:
+    called: list[str] = []
+    monkeypatch.setattr(fp8_gemm, "cublaslt_block_scaled", lambda device: available)
+    monkeypatch.setattr(
+        fp8_gemm,
+        "quantize_activations_triton",
+        lambda x, **kw: (torch.zeros(-(-x.shape[0] // 16) * 16, 1), kw),
+    )
+    monkeypatch.setattr(
+        fp8_gemm,
+        "fp8_gemm_cublaslt",
+        lambda q, kw, *args: called.append(("cublaslt", q.shape[0], kw)) or q,
+    )
+    monkeypatch.setattr(
+        fp8_gemm, "fp8_linear_w8a8_triton", lambda *args: called.append(("triton",)) or args[0]
+    )
+    weight = torch.zeros(out_features, in_features * (1 if contiguous else 2))
+    weight = weight if contiguous else weight[:, ::2]
+    out = fp8_gemm.fp8_linear_w8a8(
+        torch.zeros(num_rows, in_features, dtype=torch.bfloat16), weight, torch.ones(1, 1)
+    )
+    assert called[0][0] == expect and len(called) == 1
+    assert out.shape[0] == num_rows  # padded rows sliced off
+    if expect == "cublaslt":
+        assert called[0][1] % 16 == 0
+        assert called[0][2] == {"scales_token_major": True, "rows_multiple": 16}
