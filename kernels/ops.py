@@ -198,9 +198,12 @@ def sparse_mla_attention(
     topk_indices: torch.Tensor,
     softmax_scale: float,
     kv_lora_rank: int,
+    q_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     impl = sparse_mla_attention_triton if use_triton(q.device) else sparse_mla_attention_reference
-    return impl(q, kv_cache, block_tables, seq_idx, topk_indices, softmax_scale, kv_lora_rank)
+    return impl(
+        q, kv_cache, block_tables, seq_idx, topk_indices, softmax_scale, kv_lora_rank, q_rope
+    )
 
 
 def moe_route(

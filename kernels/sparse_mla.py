@@ -28,15 +28,19 @@ def sparse_mla_attention_reference(
     topk_indices: torch.Tensor,
     softmax_scale: float,
     kv_lora_rank: int,
+    q_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t, h] = sum_s softmax_s(scale * q[t, h] . c[s]) * c[s, :kv_lora_rank].
 
-    q [T, H, kv_lora_rank + rope_dim] (q_nope already absorbed through W_UK), kv_cache
-    [num_blocks, block_size, kv_lora_rank + rope_dim] in q's dtype, or FP8 rows
-    [num_blocks, block_size, bytes_per_token] (`latent_cache_layout`), topk_indices [T, K]
-    positions within the token's sequence, -1 = unused. Returns the latent output
-    [T, H, kv_lora_rank] in q's dtype.
+    q [T, H, kv_lora_rank + rope_dim] (q_nope already absorbed through W_UK), or, given
+    `q_rope` [T, H, rope_dim], q [T, H, kv_lora_rank] is the absorbed part alone (the two are
+    read in place rather than concatenated); kv_cache [num_blocks, block_size, kv_lora_rank +
+    rope_dim] in q's dtype, or FP8 rows [num_blocks, block_size, bytes_per_token]
+    (`latent_cache_layout`), topk_indices [T, K] positions within the token's sequence, -1 =
+    unused. Returns the latent output [T, H, kv_lora_rank] in q's dtype.
     """
+    if q_rope is not None:
+        q = torch.cat([q, q_rope], -1)
     num_tokens, num_heads, width = q.shape
     layout = latent_cache_layout(kv_lora_rank, width, q.dtype)
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
@@ -84,6 +88,7 @@ _MLA_NUM_WARPS = 8
 )
 def _sparse_mla_split_kernel(
     q_ptr,
+    q_rope_ptr,
     cache_ptr,
     scale_ptr,
     rope_ptr,
@@ -93,8 +98,13 @@ def _sparse_mla_split_kernel(
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
+    out_ptr,
     q_token_stride,
     q_head_stride,
+    q_rope_token_stride,
+    q_rope_head_stride,
+    out_token_stride,
+    out_head_stride,
     block_tables_row_stride,
     topk_row_stride,
     num_topk,
@@ -115,6 +125,7 @@ def _sparse_mla_split_kernel(
     ROPE_OFFSET: tl.constexpr,
     ROPE_ITEMSIZE: tl.constexpr,
     GROUP: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -136,7 +147,10 @@ def _sparse_mla_split_kernel(
         q_rows + lat[None, :], mask=head_mask[:, None] & lat_mask[None, :], other=0.0
     )  # [BLOCK_H, BLOCK_L]
     q_rope = tl.load(
-        q_rows + KV_LORA_RANK + rope[None, :],
+        q_rope_ptr
+        + token * q_rope_token_stride
+        + heads[:, None] * q_rope_head_stride
+        + rope[None, :],
         mask=head_mask[:, None] & rope_mask[None, :],
         other=0.0,
     )  # [BLOCK_H, BLOCK_R]
@@ -209,6 +223,14 @@ def _sparse_mla_split_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
+    if DIRECT_OUT:
+        # One split: the merge would compute exactly acc / running_sum (its rescale is exp(0)).
+        tl.store(
+            out_ptr + token * out_token_stride + heads[:, None] * out_head_stride + lat[None, :],
+            (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None] & lat_mask[None, :],
+        )
+        return
     # partial_* are [T, splits, H(, L)] fp32
     row = (token * num_splits + split) * NUM_HEADS + heads
     tl.store(partial_max_ptr + row, running_max, mask=head_mask)
@@ -271,11 +293,26 @@ def sparse_mla_attention_triton(
     topk_indices: torch.Tensor,
     softmax_scale: float,
     kv_lora_rank: int,
+    q_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `sparse_mla_attention_reference` (split top-k + merge, two launches)."""
+    """Triton twin of `sparse_mla_attention_reference` (split top-k + merge, two launches; one
+    when the top-k is not split, as in prefill, whose programs then write the output)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
-    num_tokens, num_heads, width = q.shape
+    if q_rope is None:
+        q_rope = q[..., kv_lora_rank:]
+        q = q[..., :kv_lora_rank]
+    else:
+        check_tensor("q_rope", q_rope, ndim=3, dtypes=(q.dtype,), device=device)
+        if q.shape[-1] != kv_lora_rank or q_rope.shape[:2] != q.shape[:2]:
+            raise ValueError(
+                f"q {tuple(q.shape)} and q_rope {tuple(q_rope.shape)} for kv_lora_rank "
+                f"{kv_lora_rank}"
+            )
+    if q.stride(-1) != 1 or q_rope.stride(-1) != 1:
+        raise ValueError("q and q_rope need their last dimension contiguous")
+    num_tokens, num_heads = q.shape[:2]
+    width = kv_lora_rank + q_rope.shape[-1]
     fp8 = is_fp8_cache(kv_cache)
     layout = latent_cache_layout(kv_lora_rank, width, q.dtype)
     if fp8:
@@ -307,11 +344,13 @@ def sparse_mla_attention_triton(
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=device)
     if num_tokens == 0:
         return out
-    # [T, splits, H, L] and [T, splits, H], fp32
+    direct = num_splits == 1
+    # [T, splits, H, L] and [T, splits, H], fp32 (unused with one split)
+    partial_shape = (num_tokens, num_splits, num_heads) if not direct else (0, 0, 0)
     partial_out = torch.empty(
-        num_tokens, num_splits, num_heads, kv_lora_rank, dtype=torch.float32, device=device
+        *partial_shape, 0 if direct else kv_lora_rank, dtype=torch.float32, device=device
     )
-    partial_max = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32, device=device)
+    partial_max = torch.empty(partial_shape, dtype=torch.float32, device=device)
     partial_sum = torch.empty_like(partial_max)
     block_l = max(16, triton.next_power_of_2(kv_lora_rank))
     launch(
@@ -319,6 +358,7 @@ def sparse_mla_attention_triton(
         (num_tokens, num_head_blocks, num_splits),
         q,
         q,
+        q_rope,
         kv_cache,
         kv_cache.view(torch.float32) if fp8 else kv_cache,
         kv_cache.view(q.dtype) if fp8 else kv_cache,
@@ -328,8 +368,13 @@ def sparse_mla_attention_triton(
         partial_out,
         partial_max,
         partial_sum,
+        out,
         q.stride(0),
         q.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
         topk_indices.stride(0),
         num_topk,
@@ -350,9 +395,12 @@ def sparse_mla_attention_triton(
         ROPE_OFFSET=layout.tail_offset,
         ROPE_ITEMSIZE=layout.tail_itemsize,
         GROUP=FP8_CACHE_GROUP,
+        DIRECT_OUT=direct,
         num_warps=_MLA_NUM_WARPS,
         num_stages=2,
     )
+    if direct:
+        return out
     launch(
         _sparse_mla_merge_kernel,
         (num_tokens, num_heads),

@@ -256,13 +256,14 @@ class MLAAttention(nn.Module):
         # (a visible share of an eager step's host time in a profile on the H200).
         q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora]
         out_latent = ops.sparse_mla_attention(
-            torch.cat([q_absorbed, q_rope], -1),
+            q_absorbed,  # read in place beside q_rope: no [T, H, kv_lora + rope] copy
             kv_cache,
             meta.block_tables,
             meta.seq_idx,
             topk,
             self.softmax_scale,
             self.kv_lora_rank,
+            q_rope,
         )  # [T, H, kv_lora_rank]
         out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_dim]
         out = out.transpose(0, 1).reshape(num_tokens, -1)

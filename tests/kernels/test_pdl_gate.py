@@ -192,6 +192,20 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             sparse_mla_attention_reference,
             (torch.randn(3, 2, 16), k_cache, block_tables, seq_idx, topk, 0.25, 12),
         ),
+        (  # a top-k wider than one split's keys: split programs, then the merge kernel
+            "sparse_mla_attention",
+            sparse_mla_attention_triton,
+            sparse_mla_attention_reference,
+            (
+                torch.randn(3, 2, 16),
+                k_cache,
+                block_tables,
+                seq_idx,
+                torch.arange(128, dtype=torch.int32).repeat(3, 1),
+                0.25,
+                12,
+            ),
+        ),
         (
             "moe_route",
             moe_route_triton,

@@ -33,3 +33,31 @@ def test_sparse_mla_matches_twin(
     q = torch.randn(7, num_heads, width, dtype=dtype, device=DEVICE)
     args = (q, kv_cache, block_tables, seq_idx, topk_indices, width**-0.5, kv_lora_rank)
     assert_close(sparse_mla_attention_triton(*args), sparse_mla_attention_reference(*args))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [7, 140])  # 140 tokens: one split, no merge launch
+def test_sparse_mla_reads_the_absorbed_and_rope_parts_in_place(dtype, num_tokens) -> None:
+    """q's absorbed part as the model makes it (a head-major matmul's output, transposed: token
+    stride narrower than head stride) and its RoPE part as a tensor of its own give the twin,
+    and the same bits as one concatenated q, split over the top-k or not."""
+    torch.manual_seed(num_tokens)
+    num_heads, kv_lora_rank, rope_dim, num_topk = 3, 40, 8, 70
+    kv_cache = torch.randn(6, 64, kv_lora_rank + rope_dim, dtype=dtype, device=DEVICE)
+    block_tables = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32, device=DEVICE)
+    seq_idx = (torch.arange(num_tokens) % 2).to(torch.int32).to(DEVICE)
+    picks = [torch.randperm(192)[:num_topk] for _ in range(num_tokens)]
+    topk_indices = torch.stack(picks).to(torch.int32).to(DEVICE)
+    topk_indices[1, 1:] = -1
+    q_absorbed = torch.randn(num_heads, num_tokens, kv_lora_rank, dtype=dtype, device=DEVICE)
+    q_absorbed = q_absorbed.transpose(0, 1)  # [T, H, L], strides (L, T * L, 1)
+    q_rope = torch.randn(num_tokens, num_heads, rope_dim, dtype=dtype, device=DEVICE)
+    rest = (kv_cache, block_tables, seq_idx, topk_indices, 0.3, kv_lora_rank)
+    got = sparse_mla_attention_triton(q_absorbed, *rest, q_rope)
+    joined = torch.cat([q_absorbed, q_rope], -1)
+    assert torch.equal(got, sparse_mla_attention_triton(joined, *rest))
+    assert_close(got, sparse_mla_attention_reference(joined, *rest))
+    assert torch.equal(
+        sparse_mla_attention_reference(q_absorbed, *rest, q_rope),
+        sparse_mla_attention_reference(joined, *rest),
+    )
