@@ -148,6 +148,17 @@ class EngineConfig:
         return 0 if self.enforce_eager else self.max_num_seqs
 
     @property
+    def cuda_graph_max_rows(self) -> int:
+        """Rows of the largest q = 1 graph. With MTP off a step that prefills replays it, its
+        tokens as rows (workers.model_runner), so it holds max_num_seqs decodes and a prompt
+        arriving beside them: twice max_num_seqs, at least 256, at most 512 and
+        max_num_batched_tokens (a step's token budget), never below max_num_seqs."""
+        if self.enforce_eager:
+            return 0
+        rows = min(max(2 * self.max_num_seqs, 256), 512, self.max_num_batched_tokens)
+        return max(rows, self.max_num_seqs)
+
+    @property
     def is_resolved(self) -> bool:
         return self.num_draft_tokens is not None and self.max_model_len is not None
 

@@ -54,6 +54,7 @@ def worker_spec(config: EngineConfig):
         topk_src_rank=config.topk_src_rank,
         collective_timeout_s=config.step_timeout_s,
         cuda_graph_max_batch=config.cuda_graph_max_batch,
+        cuda_graph_max_rows=config.cuda_graph_max_rows,
         max_seq_slots=config.max_seq_slots,
         max_num_seqs=config.max_num_seqs,
         indexer_numerics=config.indexer_numerics,

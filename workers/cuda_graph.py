@@ -6,7 +6,8 @@ is keyed by (batch bucket, tokens per sequence): a verify step has 1 + k tokens 
 plain decode 1. Padded sequences point at the block manager's null block 0 and write no cache
 slot (slot -1), so they never touch a live request's KV. With MTP off, a step that prefills
 replays the q = 1 graph too, its prompt tokens as rows (ModelRunner._graph_key says why that is
-the same forward).
+the same forward): q = 1 graphs come in row buckets up to `max_rows`, past the decode steps'
+`max_batch`, so that a prompt arriving beside a full batch of decodes still replays a graph.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from workers.attention_metadata import AttentionMetadata
 from workers.step_tensors import StepLayout, pack_step
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 class _StepViews(NamedTuple):
@@ -30,24 +31,42 @@ class _StepViews(NamedTuple):
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(
+        self,
+        model,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        max_rows: int = 0,  # rows of the largest q = 1 graph; at least max_batch
+    ):
         self.model = model
         self.device = device
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.max_batch = max_batch
+        self.max_rows = max(max_rows, max_batch)
+        # q = 1: the decode buckets, then more rows for steps that prefill (the same buckets
+        # below max_batch, so a decode step's graph does not depend on max_rows)
+        self.row_buckets = self.buckets + [
+            b for b in BATCH_BUCKETS if max_batch < b < self.max_rows
+        ]
+        if self.max_rows > max_batch:
+            self.row_buckets.append(self.max_rows)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.pool = None
         # (bucket, tokens per sequence) -> (graph, static packed inputs, (hidden, logits, argmax))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple]] = {}
         self._steps: dict[tuple[int, int], _StepViews] = {}  # (num_seqs, tokens per sequence)
 
-    def bucket(self, num_seqs: int) -> int | None:
-        i = bisect.bisect_left(self.buckets, num_seqs)
-        return self.buckets[i] if i < len(self.buckets) else None
+    def bucket(self, num_seqs: int, tokens_per_seq: int = 0) -> int | None:
+        """The graph batch that runs `num_seqs` sequences (rows, for q = 1), None past the
+        largest. tokens_per_seq 0: the decode buckets (the MTP proposal's)."""
+        buckets = self.row_buckets if tokens_per_seq == 1 else self.buckets
+        i = bisect.bisect_left(buckets, num_seqs)
+        return buckets[i] if i < len(buckets) else None
 
     def layout(self, num_seqs: int, tokens_per_seq: int) -> StepLayout:
         """The packed inputs' layout of the graph that runs `num_seqs` sequences: its bucket's."""
-        batch = self.bucket(num_seqs)
+        batch = self.bucket(num_seqs, tokens_per_seq)
         return StepLayout(batch * tokens_per_seq, batch, self.max_blocks_per_seq)
 
     def _forward(self, layout: StepLayout, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -91,7 +110,7 @@ class DecodeGraphs:
         made once per shape: slicing tensors every step costs the host microseconds."""
         views = self._steps.get((num_seqs, tokens_per_seq))
         if views is None:
-            key = (self.bucket(num_seqs), tokens_per_seq)
+            key = (self.bucket(num_seqs, tokens_per_seq), tokens_per_seq)
             if key not in self.graphs:
                 self.capture(*key)
             graph, inputs, out = self.graphs[key]

@@ -45,6 +45,7 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         max_seq_slots: int = 8192,  # context + MTP lookahead: the block tables' width
         cache_format: CacheFormat | None = None,  # None: the model's dtype throughout
+        cuda_graph_max_rows: int = 0,  # q = 1 graphs' rows for steps that prefill (>= max batch)
     ):
         self.model = model
         self.device = device
@@ -69,7 +70,9 @@ class ModelRunner:
             from workers.cuda_graph import DecodeGraphs
 
             max_blocks = max_blocks_per_seq(max_seq_slots, block_size_tokens)
-            self.graphs = DecodeGraphs(model, cuda_graph_max_batch, max_blocks, device)
+            self.graphs = DecodeGraphs(
+                model, cuda_graph_max_batch, max_blocks, device, cuda_graph_max_rows
+            )
         self.proposer = (
             MtpProposer(model, block_size_tokens, self.graphs) if model.mtp is not None else None
         )
@@ -282,15 +285,17 @@ class ModelRunner:
         position and table row (workers.attention_metadata) and writes every row's keys before
         any row attends. A prompt arriving while others decode then costs one graph replay
         instead of an eager forward of the whole batch (a prompt's prefill step on the default
-        model: 0.70 ms against 8.1 on the H200, bench_mixed_step.py, BENCHMARKS.md); chunks
-        longer than the largest bucket stay eager."""
+        model: 0.70 ms against 8.1 on the H200, bench_mixed_step.py, BENCHMARKS.md). The q = 1
+        graphs' row buckets go past the decode batches (`DecodeGraphs.max_rows`), so a prompt
+        arriving beside a full batch of decodes replays one too; steps with more tokens than
+        the largest row bucket stay eager."""
         if graphable:
             return len(seqs), len(seqs[0].token_ids)
         # With MTP off (not drafting) no sequence carries drafts.
         if self.graphs is None or not self.prefill_in_graphs or drafting:
             return None
         num_tokens = sum(len(s.token_ids) for s in seqs)
-        return (num_tokens, 1) if num_tokens <= self.graphs.max_batch else None
+        return (num_tokens, 1) if num_tokens <= self.graphs.max_rows else None
 
     def _graphable(self, seqs: list[SeqWork]) -> bool:
         """Decode steps replay a CUDA graph: every sequence samples every one of its tokens'

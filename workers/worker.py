@@ -54,6 +54,7 @@ class WorkerSpec:
     topk_src_rank: int | None  # see workers.model.Indexer.src_tp_rank
     collective_timeout_s: float  # every collective of the group; a hung peer becomes an error
     cuda_graph_max_batch: int = 0  # 0: eager decode steps
+    cuda_graph_max_rows: int = 0  # q = 1 graphs' rows for steps that prefill (MTP off)
     # KV slots one sequence may own: the context plus the MTP lookahead (block-table width)
     max_seq_slots: int = 8192
     max_num_seqs: int = 64
@@ -121,6 +122,7 @@ class Worker:
         cuda_graph_max_batch: int = 0,
         max_seq_slots: int = 8192,
         max_num_seqs: int = 64,
+        cuda_graph_max_rows: int = 0,
         indexer_numerics: str = "exact",
         kv_cache_dtype: str = "auto",
     ):
@@ -156,6 +158,7 @@ class Worker:
             cuda_graph_max_batch,
             max_seq_slots,
             self.cache_format,
+            cuda_graph_max_rows,
         )
 
     @classmethod
@@ -171,6 +174,7 @@ class Worker:
             cpu_threads=spec.cpu_threads,
             topk_src_rank=spec.topk_src_rank,
             cuda_graph_max_batch=spec.cuda_graph_max_batch,
+            cuda_graph_max_rows=spec.cuda_graph_max_rows,
             max_seq_slots=spec.max_seq_slots,
             max_num_seqs=spec.max_num_seqs,
             indexer_numerics=spec.indexer_numerics,
@@ -236,8 +240,10 @@ class Worker:
         started = time.perf_counter()
         graphs = self.runner.graphs
         propose = self.runner.proposer.graphs if self.runner.proposer is not None else None
+        # With MTP off every step without drafts may replay a q = 1 graph, prefill rows too.
+        mtp = num_draft_tokens > 0 and self.has_mtp
         keys = warm_up_keys(
-            graphs.buckets if graphs is not None else [],
+            (graphs.buckets if mtp else graphs.row_buckets) if graphs is not None else [],
             num_draft_tokens if self.has_mtp else 0,
             share_topk,
             propose is not None,

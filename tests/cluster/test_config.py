@@ -23,3 +23,25 @@ def test_bad_options_fail_when_the_config_is_made(options: dict, message: str) -
 def test_indexer_numerics_accepted() -> None:
     for numerics in ("exact", "fp8"):
         assert EngineConfig(model="unused", indexer_numerics=numerics).indexer_numerics == numerics
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs, max_num_batched_tokens, eager, rows",
+    [
+        (64, 2048, False, 256),  # the default: room for 64 decodes and a prompt beside them
+        (8, 2048, False, 256),
+        (200, 2048, False, 400),
+        (256, 2048, False, 512),
+        (600, 2048, False, 600),  # never below the decode batches
+        (64, 100, False, 100),  # a step never holds more tokens than its budget
+        (64, 2048, True, 0),  # enforce_eager: no graphs
+    ],
+)
+def test_cuda_graph_max_rows(max_num_seqs, max_num_batched_tokens, eager, rows):
+    config = EngineConfig(
+        model="m",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enforce_eager=eager,
+    )
+    assert config.cuda_graph_max_rows == rows

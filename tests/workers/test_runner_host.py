@@ -101,9 +101,11 @@ class _EagerGraph:
         self.replays += 1
 
 
-def _with_cpu_graphs(llm: LLM, max_batch: int) -> tuple[DecodeGraphs, ProposeGraphs | None]:
+def _with_cpu_graphs(
+    llm: LLM, max_batch: int, max_rows: int = 0
+) -> tuple[DecodeGraphs, ProposeGraphs | None]:
     runner = llm.engine.executor.worker.runner
-    graphs = DecodeGraphs(runner.model, max_batch, 64, runner.device)
+    graphs = DecodeGraphs(runner.model, max_batch, 64, runner.device, max_rows)
 
     def capture_graph(forward):
         out = forward()
@@ -184,3 +186,43 @@ def test_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, k):
         assert any(graphable for graphable, prefill, key in keys if not prefill)
     else:
         assert all(key is None for key in prefill_keys)
+
+
+def test_prompts_past_the_decode_batches_replay_row_buckets(tiny_model_dir):
+    """Decode graphs up to 8 sequences, q = 1 row buckets up to 48 rows: a step of decodes and
+    an arriving prompt with more tokens than 8 (but at most 48) replays a row bucket past the
+    decode batches, token for token the eager path's greedy tokens; the 70-token prompt's
+    step stays eager."""
+    g = torch.Generator().manual_seed(3)
+    lens = [9, 30, 3, 21, 17, 70, 5]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
+    params = [
+        SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    eager = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", max_num_seqs=8)
+    expected = generate_staggered(eager, prompts, params, every=2)
+    graphed = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", max_num_seqs=8)
+    graphs, _ = _with_cpu_graphs(graphed, max_batch=8, max_rows=48)
+    assert graphs.row_buckets == [1, 2, 4, 8, 16, 24, 32, 48]
+    assert graphs.buckets == [1, 2, 4, 8]
+    keys = record_graph_keys(graphed.engine.executor.worker.runner)
+    assert generate_staggered(graphed, prompts, params, every=2) == expected
+    prefill_keys = [key for graphable, prefill, key in keys if prefill]
+    assert sum(key is None for key in prefill_keys) == 1  # the 70-token prompt
+    assert any(key is not None and key[0] > 8 for key in prefill_keys)
+    replayed = {key for key, (graph, _, _) in graphs.graphs.items() if graph.replays}
+    assert any(rows > 8 for rows, q in replayed if q == 1)
+
+
+def test_row_buckets_keep_the_decode_buckets_below_max_batch():
+    """A decode step picks the same graph whatever max_rows is; verify steps and the MTP
+    proposal never go past max_batch."""
+    graphs = DecodeGraphs(None, 100, 4, torch.device("cpu"), max_rows=300)
+    assert graphs.buckets == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert graphs.row_buckets == graphs.buckets + [128, 192, 256, 300]
+    for n in range(1, 101):
+        assert graphs.bucket(n, 1) == graphs.bucket(n, 4) == graphs.bucket(n)
+    assert graphs.bucket(101, 1) == 128 and graphs.bucket(101, 4) is None
+    assert graphs.bucket(300, 1) == 300 and graphs.bucket(301, 1) is None
+    assert DecodeGraphs(None, 64, 4, torch.device("cpu")).row_buckets[-1] == 64

@@ -36,8 +36,10 @@ def test_warm_up_keys_cover_every_bucket_in_one_order():
 class _Graphs:
     """Stands in for DecodeGraphs / ProposeGraphs (CUDA only): records what is captured."""
 
-    def __init__(self, buckets, log):
+    def __init__(self, buckets, log, row_buckets=None):
         self.buckets, self.graphs, self.log = buckets, {}, log
+        self.row_buckets = row_buckets or buckets
+        self.max_batch, self.max_rows = buckets[-1], self.row_buckets[-1]
 
     def capture(self, *key):
         self.log.append(("decode", key))
@@ -73,6 +75,25 @@ def test_worker_captures_every_key_once(worker, monkeypatch):
         log.clear()
         worker.warm_up(2, False)
         assert log == []  # a second warm-up captures nothing again
+    finally:
+        worker.runner.graphs, proposer.graphs = graphs, propose
+
+
+def test_worker_captures_the_row_buckets_with_mtp_off(worker, monkeypatch):
+    """MTP off: every q = 1 row bucket (steps that prefill replay them); MTP on: the verify
+    graphs of the decode buckets only (such steps stay eager)."""
+    monkeypatch.setattr(worker, "_warm_up_prefill", lambda *args: None)
+    log: list = []
+    proposer = worker.runner.proposer
+    graphs, propose = worker.runner.graphs, proposer.graphs
+    worker.runner.graphs = _Graphs([1, 2, 4], log, row_buckets=[1, 2, 4, 8, 16])
+    proposer.graphs = _Graphs([1, 2, 4], log)
+    try:
+        worker.warm_up(0, False)
+        assert log == [("decode", (b, 1)) for b in (1, 2, 4, 8, 16)]
+        log.clear()
+        worker.warm_up(1, False)
+        assert [key for kind, key in log if kind == "decode"] == [(1, 2), (2, 2), (4, 2)]
     finally:
         worker.runner.graphs, proposer.graphs = graphs, propose
 
@@ -167,7 +188,6 @@ def test_prefill_warm_up_runs_the_eager_path_with_graphs(worker):
     is recorded, and the step then runs eagerly."""
     runner = worker.runner
     runner.graphs = _Graphs([1, 2, 4, 8, 16, 32, 64, 128], [])
-    runner.graphs.max_batch = 128
     keys = record_graph_keys(runner, replay=False)
     try:
         worker._warm_up_prefill(0, False)
