@@ -92,7 +92,7 @@ class ModelRunner:
             self.proposer.forget(step.preempted_request_ids)
         if not step.seqs:
             return StepOutput([])
-        batch = self._prepare(step.seqs, drafting=step.num_draft_tokens > 0)
+        batch = self._prepare(step.seqs)
         hidden, logits, argmax = self._forward(batch)
         results = self._sample(batch, logits, argmax)
         if self.proposer is not None and step.num_draft_tokens > 0:
@@ -133,11 +133,11 @@ class ModelRunner:
                 else:
                     self.proposer.pending[s.request_id] = pending
 
-    def _prepare(self, seqs: list[SeqWork], drafting: bool = False) -> StepTensors:
+    def _prepare(self, seqs: list[SeqWork]) -> StepTensors:
         """The step's inputs, packed on the host and sent in one copy (workers.step_tensors):
         into the decode graph's static inputs on the graph path, else a fresh device buffer."""
         graphable = self._graphable(seqs)
-        graph_key = self._graph_key(seqs, graphable, drafting)
+        graph_key = self._graph_key(seqs, graphable)
         if graph_key is not None:
             layout = self.graphs.layout(*graph_key)
         else:
@@ -276,23 +276,23 @@ class ModelRunner:
         for r, row in zip(results, packed.tolist()):
             r.sampled_token_ids, r.num_accepted_drafts = row[2 : 2 + row[0]], row[1]
 
-    def _graph_key(
-        self, seqs: list[SeqWork], graphable: bool, drafting: bool
-    ) -> tuple[int, int] | None:
-        """The decode graph that replays this step: (num_seqs, q) for a decode or verify step;
-        for a step with prefill chunks and no drafting (MTP off), (num_tokens, 1): every token
-        one row of the q = 1 graph of its bucket, since the forward reads each row's own
-        position and table row (workers.attention_metadata) and writes every row's keys before
-        any row attends. A prompt arriving while others decode then costs one graph replay
-        instead of an eager forward of the whole batch (a prompt's prefill step on the default
-        model: 0.70 ms against 8.1 on the H200, bench_mixed_step.py, BENCHMARKS.md). The q = 1
-        graphs' row buckets go past the decode batches (`DecodeGraphs.max_rows`), so a prompt
-        arriving beside a full batch of decodes replays one too; steps with more tokens than
-        the largest row bucket stay eager."""
+    def _graph_key(self, seqs: list[SeqWork], graphable: bool) -> tuple[int, int] | None:
+        """The decode graph that replays this step's target forward: (num_seqs, q) for a decode
+        or verify step; for any other step (prefill chunks, alone or beside decodes or
+        verifies; verifies of unequal lengths), (num_tokens, 1): every token one row of the
+        q = 1 graph of its bucket, since the forward reads each row's own position and table
+        row (workers.attention_metadata) and writes every row's keys before any row attends.
+        With MTP the proposal after such a step runs eagerly (`MtpProposer.propose`).
+
+        A prompt arriving while others decode then costs one graph replay instead of an eager
+        forward of the whole batch (a prompt's prefill step on the default model: 0.70 ms
+        against 8.1 on the H200, bench_mixed_step.py, BENCHMARKS.md). The q = 1 graphs' row
+        buckets go past the decode batches (`DecodeGraphs.max_rows`), so a prompt arriving
+        beside a full batch of decodes replays one too; steps with more tokens than the
+        largest row bucket stay eager."""
         if graphable:
             return len(seqs), len(seqs[0].token_ids)
-        # With MTP off (not drafting) no sequence carries drafts.
-        if self.graphs is None or not self.prefill_in_graphs or drafting:
+        if self.graphs is None or not self.prefill_in_graphs:
             return None
         num_tokens = sum(len(s.token_ids) for s in seqs)
         return (num_tokens, 1) if num_tokens <= self.graphs.max_rows else None

@@ -199,6 +199,11 @@ class MtpProposer:
         tables, share_topk = batch.meta.block_tables, step.share_topk
         if not pairs.tokens:
             return
+        if batch.graph_key is not None and not batch.graphable:
+            # The target ran as rows of a q = 1 graph: one block-table row per token. A
+            # request's table is the row of its first token.
+            first_rows = torch.tensor(batch.offsets, dtype=torch.long)
+            tables = tables.index_select(0, first_rows.to(tables.device, non_blocking=True))
         if graphed:
             drafts = self.graphs.run(pairs, hidden, tables, num_drafts, share_topk)
         else:

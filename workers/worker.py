@@ -92,17 +92,26 @@ class WarmUp:
 
 
 def warm_up_keys(
-    buckets: list[int], num_draft_tokens: int, share_topk: bool, with_proposals: bool
+    buckets: list[int],
+    num_draft_tokens: int,
+    share_topk: bool,
+    with_proposals: bool,
+    row_buckets: list[int] | None = None,
 ) -> list[tuple[str, tuple]]:
     """The graphs to capture, in the order every rank captures them: per batch bucket, the
     decode step at 1 + k tokens per sequence (k = 0: plain decode; k > 0: a verify) and, with
-    MTP, the proposal after it (keys of DecodeGraphs and ProposeGraphs). Other token counts (a
-    verify whose drafts were cut near max_tokens) stay captured on first use."""
+    MTP, the proposal after it (keys of DecodeGraphs and ProposeGraphs); then the q = 1 graph
+    of every row bucket not captured yet (steps that prefill replay them, their tokens as
+    rows). Other token counts (a verify whose drafts were cut near max_tokens) stay captured
+    on first use."""
     keys: list[tuple[str, tuple]] = []
     for batch in buckets:
         keys.append(("decode", (batch, 1 + num_draft_tokens)))
         if num_draft_tokens and with_proposals:
             keys.append(("propose", (batch, num_draft_tokens, share_topk)))
+    for rows in row_buckets or []:
+        if ("decode", (rows, 1)) not in keys:
+            keys.append(("decode", (rows, 1)))
     return keys
 
 
@@ -240,13 +249,12 @@ class Worker:
         started = time.perf_counter()
         graphs = self.runner.graphs
         propose = self.runner.proposer.graphs if self.runner.proposer is not None else None
-        # With MTP off every step without drafts may replay a q = 1 graph, prefill rows too.
-        mtp = num_draft_tokens > 0 and self.has_mtp
         keys = warm_up_keys(
-            (graphs.buckets if mtp else graphs.row_buckets) if graphs is not None else [],
+            graphs.buckets if graphs is not None else [],
             num_draft_tokens if self.has_mtp else 0,
             share_topk,
             propose is not None,
+            graphs.row_buckets if graphs is not None else [],
         )
         for kind, key in keys:
             if kind == "decode" and key not in graphs.graphs:

@@ -34,8 +34,8 @@ def record_graph_keys(runner, replay: bool = True) -> list[tuple[bool, bool, tup
     keys: list[tuple[bool, bool, tuple | None]] = []
     choose = runner._graph_key
 
-    def record(seqs, graphable, drafting):
-        key = choose(seqs, graphable, drafting)
+    def record(seqs, graphable):
+        key = choose(seqs, graphable)
         keys.append((graphable, any(is_prefill(s) for s in seqs), key))
         return key if replay else None
 

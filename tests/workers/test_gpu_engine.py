@@ -147,11 +147,13 @@ def test_gpu_nothing_compiles_after_warm_up(tiny_model_dir, k):
     assert late.count == 0, f"{late.count} kernel variants compiled after warm-up (see the log)"
 
 
+@pytest.mark.parametrize("k", [0, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, prompts, dtype):
-    """Prompts added one every other step while earlier ones decode, as a server sees them: the
-    steps that prefill them beside the decodes replay the q = 1 decode graph (their tokens as
-    rows); greedy tokens equal the eager engine's (and in fp32 the CPU reference's)."""
+def test_gpu_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, prompts, dtype, k):
+    """Prompts added one every other step while earlier ones decode (k = 0) or verify (MTP
+    k = 2), as a server sees them: the steps that prefill them beside the others replay the
+    q = 1 decode graph (their tokens as rows; with MTP the proposal after runs eagerly);
+    greedy tokens equal the eager engine's without MTP (and in fp32 the CPU reference's)."""
     from tests.workers.arrivals import generate_staggered, record_graph_keys
 
     params = [
@@ -162,7 +164,7 @@ def test_gpu_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir,
     eager = generate_staggered(
         LLM(tiny_model_dir, enforce_eager=True, **options), prompts, params, 2
     )
-    llm = LLM(tiny_model_dir, **options)
+    llm = LLM(tiny_model_dir, **{**options, "num_draft_tokens": k})
     keys = record_graph_keys(llm.engine.executor.worker.runner)
     graphed = generate_staggered(llm, prompts, params, 2)
     assert graphed == eager

@@ -159,10 +159,10 @@ def test_graph_path_is_the_eager_path_token_for_token(tiny_model_dir, k):
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, k):
-    """MTP off, a step that prefills a prompt beside decoding requests runs as rows of the
-    q = 1 decode graph (`ModelRunner._graph_key`), token for token the eager path's greedy
-    tokens, with padded buckets; a chunk longer than the largest bucket stays eager. With MTP
-    (k = 2) such steps stay eager (the proposer's graphs assume the verify layout)."""
+    """A step that prefills a prompt beside decoding (k = 0) or verifying (k = 2) requests
+    runs its target forward as rows of the q = 1 decode graph (`ModelRunner._graph_key`; with
+    MTP the proposal after it runs eagerly), token for token the eager path's greedy tokens,
+    with padded buckets; a chunk longer than the largest bucket stays eager."""
     g = torch.Generator().manual_seed(2)
     lens = [9, 41, 3, 30, 17, 70, 5]  # 70 > the largest bucket (64): that prefill stays eager
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
@@ -179,13 +179,10 @@ def test_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, k):
     assert got == expected
     assert [len(t) for t in got] == [p.max_tokens for p in params]
     prefill_keys = [key for graphable, prefill, key in keys if prefill]
-    if k == 0:
-        # Every prefill step but the 70-token one replayed a graph, beside decodes or alone.
-        assert sum(key is None for key in prefill_keys) == 1
-        assert all(key[1] == 1 for key in prefill_keys if key is not None)
-        assert any(graphable for graphable, prefill, key in keys if not prefill)
-    else:
-        assert all(key is None for key in prefill_keys)
+    # Every prefill step but the 70-token one replayed a graph, beside decodes or alone.
+    assert sum(key is None for key in prefill_keys) == 1
+    assert all(key[1] == 1 for key in prefill_keys if key is not None)
+    assert any(graphable for graphable, prefill, key in keys if not prefill)
 
 
 def test_prompts_past_the_decode_batches_replay_row_buckets(tiny_model_dir):

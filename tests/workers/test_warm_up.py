@@ -31,6 +31,18 @@ def test_warm_up_keys_cover_every_bucket_in_one_order():
     ]
     assert warm_up_keys([1, 8], 2, False, False) == [("decode", (1, 3)), ("decode", (8, 3))]
     assert warm_up_keys([], 2, False, True) == []  # eager: nothing
+    # Row buckets (q = 1) after, each once: MTP off they extend the decode buckets.
+    assert warm_up_keys([1, 2], 0, False, True, [1, 2, 4]) == [
+        ("decode", (1, 1)),
+        ("decode", (2, 1)),
+        ("decode", (4, 1)),
+    ]
+    assert warm_up_keys([1], 1, False, True, [1, 2]) == [
+        ("decode", (1, 2)),
+        ("propose", (1, 1, False)),
+        ("decode", (1, 1)),
+        ("decode", (2, 1)),
+    ]
 
 
 class _Graphs:
@@ -70,8 +82,9 @@ def test_worker_captures_every_key_once(worker, monkeypatch):
     try:
         worker.runner.graphs.graphs[(2, 3)] = object()  # already captured: kept
         result = worker.warm_up(2, False)
-        assert log == [k for k in warm_up_keys([1, 2, 4], 2, False, True) if k[1] != (2, 3)]
-        assert result.num_graphs == 6
+        keys = warm_up_keys([1, 2, 4], 2, False, True, [1, 2, 4])
+        assert log == [k for k in keys if k[1] != (2, 3)]
+        assert result.num_graphs == 9  # 3 verifies, 3 proposals, 3 row buckets
         log.clear()
         worker.warm_up(2, False)
         assert log == []  # a second warm-up captures nothing again
@@ -79,9 +92,9 @@ def test_worker_captures_every_key_once(worker, monkeypatch):
         worker.runner.graphs, proposer.graphs = graphs, propose
 
 
-def test_worker_captures_the_row_buckets_with_mtp_off(worker, monkeypatch):
-    """MTP off: every q = 1 row bucket (steps that prefill replay them); MTP on: the verify
-    graphs of the decode buckets only (such steps stay eager)."""
+def test_worker_captures_the_row_buckets(worker, monkeypatch):
+    """Every q = 1 row bucket (steps that prefill replay them), after the decode or verify
+    graphs of the decode buckets, each once."""
     monkeypatch.setattr(worker, "_warm_up_prefill", lambda *args: None)
     log: list = []
     proposer = worker.runner.proposer
@@ -92,8 +105,11 @@ def test_worker_captures_the_row_buckets_with_mtp_off(worker, monkeypatch):
         worker.warm_up(0, False)
         assert log == [("decode", (b, 1)) for b in (1, 2, 4, 8, 16)]
         log.clear()
+        worker.runner.graphs = _Graphs([1, 2, 4], log, row_buckets=[1, 2, 4, 8, 16])
         worker.warm_up(1, False)
-        assert [key for kind, key in log if kind == "decode"] == [(1, 2), (2, 2), (4, 2)]
+        decode = [(1, 2), (2, 2), (4, 2), (1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]
+        assert [key for kind, key in log if kind == "decode"] == decode
+        assert [key for kind, key in log if kind == "propose"] == [(b, 1, False) for b in (1, 2, 4)]
     finally:
         worker.runner.graphs, proposer.graphs = graphs, propose
 
@@ -196,7 +212,7 @@ def test_prefill_warm_up_runs_the_eager_path_with_graphs(worker):
         assert runner.prefill_in_graphs  # back on for served steps
         prefill = SeqWork("r", [5] * 16, 0, [5], 0, samples=True)
         del runner._graph_key
-        assert runner._graph_key([prefill], False, False) == (16, 1)
+        assert runner._graph_key([prefill], False) == (16, 1)
     finally:
         runner.graphs = None
         runner.__dict__.pop("_graph_key", None)
