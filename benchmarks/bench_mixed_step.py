@@ -2,16 +2,17 @@
 decoding requests alone, against the same step when one request arrives before it.
 
     python benchmarks/bench_mixed_step.py [--model DIR | --default-model] [--device auto]
-        [--batches 1,8,32,128] [--prompt-len 32] [--steps 30]
+        [--batches 1,8,32,128] [--prompt-len 32] [--steps 30] [--num-draft-tokens 0]
 
-A decode step of same-length sequences replays a CUDA graph. A step that also carries a prefill
-replays the one-token decode graph with the prompt's tokens as rows when MTP is off and the rows
-fit its largest bucket (`ModelRunner._graph_key`), and otherwise runs the whole batch eagerly:
-under a steady stream of arrivals (what a server sees, and what the HTTP benchmark's bursts of
-requests look like to the engine) that is most steps. Per batch size B: the median
-`LLMEngine.step()` time of decode-only steps,
-of steps carrying one arriving request's prefill of `--prompt-len` tokens, their ratio, and the
-prefill's own step time alone (one request, nothing decoding). Greedy, MTP off, ignore_eos.
+A decode step of same-length sequences replays a CUDA graph (with MTP: the verify and the
+proposal). A step that also carries a prefill replays the one-token decode graph with every
+token as a row when they fit its largest row bucket (`ModelRunner._graph_key`; with MTP the
+proposal after it runs eagerly), and otherwise runs the whole batch eagerly: under a steady
+stream of arrivals (what a server sees) that is most steps. Per batch size B: the median
+`LLMEngine.step()` time of decode-only steps, of steps carrying one arriving request's prefill of
+`--prompt-len` tokens (as the engine runs them, and with the rows graphs switched off:
+`ModelRunner.prefill_in_graphs`, the whole step eager), their ratios to the decode step, and the
+prefill's own step time alone (one request, nothing decoding). Greedy, ignore_eos.
 """
 
 from __future__ import annotations
@@ -58,11 +59,16 @@ def measure(engine: LLMEngine, prompts, batch: int, steps: int, device: str) -> 
     for _ in range(3):  # warm
         engine.step()
     decode = [timed_step(engine, device) for _ in range(steps)]
-    mixed = []
-    for j in range(steps):
+    runner = getattr(getattr(engine.executor, "worker", None), "runner", None)
+    mixed, mixed_eager = [], []
+    for j in range(2 * steps):
         # One token: the arrival finishes within the step it prefills, so the batch stays B.
+        if runner is not None:
+            runner.prefill_in_graphs = j % 2 == 0
         engine.add_request(prompts[j % len(prompts)], one, f"{tag}-arrival-{j}")
-        mixed.append(timed_step(engine, device))
+        (mixed if j % 2 == 0 else mixed_eager).append(timed_step(engine, device))
+    if runner is not None:
+        runner.prefill_in_graphs = True
     for i in range(batch):
         engine.abort(f"{tag}-{i}")
     while engine.has_unfinished:
@@ -74,6 +80,7 @@ def measure(engine: LLMEngine, prompts, batch: int, steps: int, device: str) -> 
     return {
         "decode_s": statistics.median(decode),
         "mixed_s": statistics.median(mixed),
+        "mixed_eager_s": statistics.median(mixed_eager),
         "prefill_alone_s": statistics.median(alone),
     }
 
@@ -86,12 +93,16 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--num-draft-tokens", type=int, default=0, help="MTP drafts (0: off)")
     args = ap.parse_args()
     model = args.model or (default_model_path() if args.default_model else tiny_model_path())
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(
         EngineConfig(
-            model=model, device=args.device, num_draft_tokens=0, max_num_seqs=max(batches) + 1
+            model=model,
+            device=args.device,
+            num_draft_tokens=args.num_draft_tokens,
+            max_num_seqs=max(batches) + 1,
         )
     )
     device = engine.config.device
@@ -100,14 +111,21 @@ def main() -> int:
         torch.randint(3, engine.vocab_size, (args.prompt_len,), generator=g).tolist()
         for _ in range(64)
     ]
-    print(f"model={model} device={device} prompt_len={args.prompt_len} steps={args.steps}")
-    print("| decoding | decode step ms | with one arrival ms | x | the prefill alone ms |")
-    print("|---|---|---|---|---|")
+    print(
+        f"model={model} device={device} prompt_len={args.prompt_len} steps={args.steps} "
+        f"k={args.num_draft_tokens}"
+    )
+    print(
+        "| decoding | decode step ms | with one arrival ms | x | the same step eager ms | x "
+        "| the prefill alone ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for batch in batches:
         r = measure(engine, prompts, batch, args.steps, device)
         print(
             f"| {batch} | {r['decode_s'] * 1e3:.3f} | {r['mixed_s'] * 1e3:.3f} "
-            f"| {r['mixed_s'] / r['decode_s']:.2f} | {r['prefill_alone_s'] * 1e3:.3f} |",
+            f"| {r['mixed_s'] / r['decode_s']:.2f} | {r['mixed_eager_s'] * 1e3:.3f} "
+            f"| {r['mixed_eager_s'] / r['decode_s']:.2f} | {r['prefill_alone_s'] * 1e3:.3f} |",
             flush=True,
         )
     engine.shutdown()
