@@ -139,15 +139,24 @@ class DecodeGraphs:
 
 
 class ProposeGraphs:
-    """CUDA graphs of a whole MTP proposal after a verify step: draft step 0 over k + 1 pair
-    rows per request, then steps 1..k-1 (workers.mtp_proposer.draft_chain), keyed by (batch
-    bucket, k, top-k sharing). Rows of pairs a request does not have write no cache slot."""
+    """CUDA graphs of a whole MTP proposal (workers.mtp_proposer.draft_chain): draft step 0
+    over the step's pair rows, then steps 1..k-1.
+
+    After a verify step (`run`): k + 1 pair rows per request, keyed by (batch bucket, k, top-k
+    sharing); rows of pairs a request does not have write no cache slot. After any other step
+    whose target ran as rows of a q = 1 graph (prompts arriving beside verifies, `run_rows`):
+    any pair rows, each with its own request's block-table row, keyed by (row bucket, k,
+    sharing); every row bucket's slot may be a drafting request's (padding rows draft nothing
+    and write nothing)."""
 
     def __init__(self, model, decode_graphs: DecodeGraphs):
         self.model = model
         self.decode = decode_graphs
         self.device = decode_graphs.device
         self.graphs: dict[
+            tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]
+        ] = {}
+        self.row_graphs: dict[
             tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]
         ] = {}
 
@@ -181,6 +190,74 @@ class ProposeGraphs:
         buf = self._buffers(batch, k)
         graph, out = self.decode.capture_graph(lambda: self._forward(buf, k, share))
         self.graphs[(batch, k, share)] = (graph, buf, out)
+
+    def _row_buffers(self, rows: int) -> dict:
+        d = self.device
+        return dict(
+            tokens=torch.zeros(rows, dtype=torch.long, device=d),
+            hidden=torch.zeros(
+                rows, self.model.config.hidden_size, dtype=self.model.dtype, device=d
+            ),
+            positions=torch.zeros(rows, dtype=torch.long, device=d),
+            slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=d),
+            seq_idx=torch.zeros(rows, dtype=torch.long, device=d),
+            block_tables=torch.zeros(
+                rows, self.decode.max_blocks_per_seq, dtype=torch.int32, device=d
+            ),
+            last_rows=torch.zeros(rows, dtype=torch.long, device=d),
+            valid=torch.zeros(rows, dtype=torch.bool, device=d),
+        )
+
+    def capture_rows(self, rows: int, k: int, share: bool) -> None:
+        buf = self._row_buffers(rows)
+        graph, out = self.decode.capture_graph(lambda: self._forward(buf, k, share))
+        self.row_graphs[(rows, k, share)] = (graph, buf, out)
+
+    def run_rows(
+        self,
+        pairs,  # workers.mtp_proposer.DraftPairs, unpadded
+        hidden: torch.Tensor,  # the step's target hidden states
+        block_tables: torch.Tensor,  # [num_seqs, width], one row per request of the step
+        k: int,
+        share: bool,
+    ) -> torch.Tensor | None:
+        """-> drafts [R, k] (device) for the R drafting requests, or None when the pair rows
+        exceed the largest row bucket (the caller runs the proposal eagerly)."""
+        num_rows = len(pairs.tokens)
+        rows = self.decode.bucket(num_rows, 1)
+        if rows is None:
+            return None
+        key = (rows, k, share)
+        if key not in self.row_graphs:
+            self.capture_rows(*key)
+        graph, buf, out = self.row_graphs[key]
+        source = hidden
+        if pairs.pending_hidden:  # rows past the step's: chunk ends held from earlier steps
+            source = torch.cat([hidden, torch.stack(pairs.pending_hidden)])
+        num_drafting = len(pairs.last_rows)
+        host = torch.zeros(6, rows, dtype=torch.long)
+        host[5, num_rows:] = -1  # padding rows write no slot
+        host[:5, :num_rows] = torch.tensor(
+            [pairs.tokens, pairs.hidden_rows, pairs.positions, pairs.seq_idx, pairs.slots],
+            dtype=torch.long,
+        )
+        host[5, :num_rows] = host[4, :num_rows]
+        host[4, :num_drafting] = torch.tensor(pairs.last_rows, dtype=torch.long)
+        host[4, num_drafting:] = 0
+        pinned = self.device.type == "cuda"
+        host = (host.pin_memory() if pinned else host).to(self.device, non_blocking=True)
+        buf["tokens"].copy_(host[0])
+        buf["hidden"][:num_rows].copy_(source.index_select(0, host[1, :num_rows]))
+        buf["positions"].copy_(host[2])
+        buf["seq_idx"].copy_(host[3])
+        buf["last_rows"].copy_(host[4])
+        buf["slot_mapping"].copy_(host[5])
+        buf["block_tables"].zero_()
+        buf["block_tables"][: block_tables.shape[0], : block_tables.shape[1]].copy_(block_tables)
+        buf["valid"].zero_()
+        buf["valid"][:num_drafting] = True
+        graph.replay()
+        return out[:num_drafting]
 
     def run(
         self,

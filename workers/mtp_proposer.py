@@ -204,9 +204,14 @@ class MtpProposer:
             # request's table is the row of its first token.
             first_rows = torch.tensor(batch.offsets, dtype=torch.long)
             tables = tables.index_select(0, first_rows.to(tables.device, non_blocking=True))
+        drafts = None
         if graphed:
             drafts = self.graphs.run(pairs, hidden, tables, num_drafts, share_topk)
-        else:
+        elif self.graphs is not None and batch.graph_key is not None:
+            # The target ran as rows of a q = 1 graph (prompts beside verifies): the proposal
+            # as rows of a graph too, unless its pair rows exceed the largest row bucket.
+            drafts = self.graphs.run_rows(pairs, hidden, tables, num_drafts, share_topk)
+        if drafts is None:
             inputs = self._inputs(pairs, hidden, tables)
             if not pairs.drafting_seqs:
                 # Only non-final prefill chunks: nothing to draft yet, but the MTP layer's cache

@@ -100,10 +100,11 @@ def warm_up_keys(
 ) -> list[tuple[str, tuple]]:
     """The graphs to capture, in the order every rank captures them: per batch bucket, the
     decode step at 1 + k tokens per sequence (k = 0: plain decode; k > 0: a verify) and, with
-    MTP, the proposal after it (keys of DecodeGraphs and ProposeGraphs); then the q = 1 graph
-    of every row bucket not captured yet (steps that prefill replay them, their tokens as
-    rows). Other token counts (a verify whose drafts were cut near max_tokens) stay captured
-    on first use."""
+    MTP, the proposal after it (keys of DecodeGraphs and ProposeGraphs); then per row bucket
+    the q = 1 graph not captured yet (steps that prefill replay them, their tokens as rows)
+    and, with MTP, the proposal after such a step as rows (`ProposeGraphs.run_rows`). Other
+    token counts (a verify whose drafts were cut near max_tokens) stay captured on first
+    use."""
     keys: list[tuple[str, tuple]] = []
     for batch in buckets:
         keys.append(("decode", (batch, 1 + num_draft_tokens)))
@@ -112,6 +113,8 @@ def warm_up_keys(
     for rows in row_buckets or []:
         if ("decode", (rows, 1)) not in keys:
             keys.append(("decode", (rows, 1)))
+        if num_draft_tokens and with_proposals:
+            keys.append(("propose_rows", (rows, num_draft_tokens, share_topk)))
     return keys
 
 
@@ -261,6 +264,8 @@ class Worker:
                 graphs.capture(*key)
             elif kind == "propose" and key not in propose.graphs:
                 propose._capture(*key)
+            elif kind == "propose_rows" and key not in propose.row_graphs:
+                propose.capture_rows(*key)
         self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
         experts = next((m for m in self.model.modules() if isinstance(m, Experts)), None)
         warm_up_eager_kernels(

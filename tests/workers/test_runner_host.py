@@ -173,7 +173,7 @@ def test_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, k):
     eager = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=64)
     expected = generate_staggered(eager, prompts, params, every=2)
     graphed = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=64)
-    _with_cpu_graphs(graphed, max_batch=64)
+    _, propose = _with_cpu_graphs(graphed, max_batch=64)
     keys = record_graph_keys(graphed.engine.executor.worker.runner)
     got = generate_staggered(graphed, prompts, params, every=2)
     assert got == expected
@@ -183,6 +183,8 @@ def test_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, k):
     assert sum(key is None for key in prefill_keys) == 1
     assert all(key[1] == 1 for key in prefill_keys if key is not None)
     assert any(graphable for graphable, prefill, key in keys if not prefill)
+    if k:  # the proposals after those steps ran as rows of a graph too
+        assert any(graph.replays for graph, _, _ in propose.row_graphs.values())
 
 
 def test_prompts_past_the_decode_batches_replay_row_buckets(tiny_model_dir):
@@ -223,3 +225,25 @@ def test_row_buckets_keep_the_decode_buckets_below_max_batch():
     assert graphs.bucket(101, 1) == 128 and graphs.bucket(101, 4) is None
     assert graphs.bucket(300, 1) == 300 and graphs.bucket(301, 1) is None
     assert DecodeGraphs(None, 64, 4, torch.device("cpu")).row_buckets[-1] == 64
+
+
+def test_mtp_rows_proposals_with_chunked_prompts(tiny_model_dir):
+    """MTP k = 2, prompts chunked by a 16-token step budget while others verify: the
+    proposals after rows steps (pair rows of several requests, a chunk's end held for the
+    next chunk, non-final chunks that draft nothing) run as rows of a graph, and greedy
+    tokens equal greedy without MTP, token for token."""
+    g = torch.Generator().manual_seed(4)
+    lens = [9, 41, 3, 30, 17, 5]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
+    params = [
+        SamplingParams(max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    options = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    plain = LLM(tiny_model_dir, num_draft_tokens=0, **options)
+    expected = generate_staggered(plain, prompts, params, every=2)
+    graphed = LLM(tiny_model_dir, num_draft_tokens=2, **options)
+    _, propose = _with_cpu_graphs(graphed, max_batch=8, max_rows=16)
+    assert generate_staggered(graphed, prompts, params, every=2) == expected
+    replayed = [key for key, (graph, _, _) in propose.row_graphs.items() if graph.replays]
+    assert replayed and all(k == 2 for _, k, _ in replayed)

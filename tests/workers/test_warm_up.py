@@ -41,7 +41,9 @@ def test_warm_up_keys_cover_every_bucket_in_one_order():
         ("decode", (1, 2)),
         ("propose", (1, 1, False)),
         ("decode", (1, 1)),
+        ("propose_rows", (1, 1, False)),
         ("decode", (2, 1)),
+        ("propose_rows", (2, 1, False)),
     ]
 
 
@@ -49,9 +51,13 @@ class _Graphs:
     """Stands in for DecodeGraphs / ProposeGraphs (CUDA only): records what is captured."""
 
     def __init__(self, buckets, log, row_buckets=None):
-        self.buckets, self.graphs, self.log = buckets, {}, log
+        self.buckets, self.graphs, self.row_graphs, self.log = buckets, {}, {}, log
         self.row_buckets = row_buckets or buckets
         self.max_batch, self.max_rows = buckets[-1], self.row_buckets[-1]
+
+    def capture_rows(self, *key):
+        self.log.append(("propose_rows", key))
+        self.row_graphs[key] = object()
 
     def capture(self, *key):
         self.log.append(("decode", key))
@@ -84,7 +90,7 @@ def test_worker_captures_every_key_once(worker, monkeypatch):
         result = worker.warm_up(2, False)
         keys = warm_up_keys([1, 2, 4], 2, False, True, [1, 2, 4])
         assert log == [k for k in keys if k[1] != (2, 3)]
-        assert result.num_graphs == 9  # 3 verifies, 3 proposals, 3 row buckets
+        assert result.num_graphs == 12  # 3 verifies, 3 proposals, per row bucket 2
         log.clear()
         worker.warm_up(2, False)
         assert log == []  # a second warm-up captures nothing again
@@ -110,6 +116,8 @@ def test_worker_captures_the_row_buckets(worker, monkeypatch):
         decode = [(1, 2), (2, 2), (4, 2), (1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]
         assert [key for kind, key in log if kind == "decode"] == decode
         assert [key for kind, key in log if kind == "propose"] == [(b, 1, False) for b in (1, 2, 4)]
+        rows = [key for kind, key in log if kind == "propose_rows"]
+        assert rows == [(b, 1, False) for b in (1, 2, 4, 8, 16)]
     finally:
         worker.runner.graphs, proposer.graphs = graphs, propose
 
