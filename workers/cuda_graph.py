@@ -4,10 +4,11 @@ Decode of these models is a long chain of small kernels; a graph removes the lau
 is where PDL pays (DESIGN.md: -26% per tiny kernel inside a graph, nothing outside one). A graph
 is keyed by (batch bucket, tokens per sequence): a verify step has 1 + k tokens per sequence, a
 plain decode 1. Padded sequences point at the block manager's null block 0 and write no cache
-slot (slot -1), so they never touch a live request's KV. With MTP off, a step that prefills
-replays the q = 1 graph too, its prompt tokens as rows (ModelRunner._graph_key says why that is
-the same forward): q = 1 graphs come in row buckets up to `max_rows`, past the decode steps'
-`max_batch`, so that a prompt arriving beside a full batch of decodes still replays a graph.
+slot (slot -1), so they never touch a live request's KV. A step that prefills replays the q = 1
+graph too, every token a row (ModelRunner._graph_key says why that is the same forward), and
+with MTP the proposal after it replays a rows graph of its own (`ProposeGraphs.run_rows`): q = 1
+graphs come in row buckets up to `max_rows`, past the decode steps' `max_batch`, so that a
+prompt arriving beside a full batch of decodes still replays a graph.
 """
 
 from __future__ import annotations
