@@ -3,7 +3,7 @@ its own (`own_process`: cluster/engine_process.py says why); each request's outp
 caller through an asyncio queue.
 
 Pacing (`cluster.engine_loop.Pacer`): where the step loop runs, it decides when a request's
-outputs cross to its caller (a stream's first at once, then at most one per stream interval; a
+outputs cross to its caller (a stream's first text at once, then at most one per stream interval; a
 request not streamed, one when it finishes), so a step costs the caller's event loop work only
 for the requests that are due. Before, every request woke its caller's event loop every step,
 and that Python work, sharing the GIL with the loop, cost more than the step itself at a few

@@ -7,8 +7,10 @@ requests' outputs are due to their callers.
 cross a process boundary as they are.
 
 Pacing (`Pacer`): the loop decides when a request's outputs cross to its caller, so a step costs
-the caller work only for the requests that are due. A streamed request gets its first output at
-once, then at most one output (every step since the last one, joined) per stream interval:
+the caller work only for the requests that are due. A streamed request gets its first output
+that carries text at once (a token that renders as nothing yet, such as part of a character's
+bytes, or text held back as the possible start of a stop string, joins the next), then at most
+one output (every step since the last one, joined) per stream interval:
 `stream_chunks_per_s` spread over the streams in flight (0: one per step); a request that is not
 streamed gets one output, when it finishes. When each step's tokens were produced goes with each
 output (`time.perf_counter()` stamps: one clock for every process of a host), for latency
@@ -89,7 +91,9 @@ class _Paced:
     stream: bool
     pending: JoinedOutputs | JoinedDeltas  # JoinedDeltas: from an engine that builds deltas
     stamps: list[tuple[int, float]] = field(default_factory=list)
-    next_send_s: float = 0.0  # 0: the next output goes at once
+    next_send_s: float = 0.0
+    text_sent: bool = False  # a stream's first text went: from then on it is paced
+    pending_text: bool = False  # `pending` carries text
 
 
 class Pacer:
@@ -124,23 +128,32 @@ class Pacer:
                 continue
             if self._deltas:
                 request_id = out[Delta.REQUEST_ID]
-                new_token_ids, finished = out[Delta.NEW_TOKEN_IDS], out[Delta.FINISHED]
+                new_token_ids, new_text = out[Delta.NEW_TOKEN_IDS], out[Delta.NEW_TEXT]
+                finished = out[Delta.FINISHED]
             else:
-                request_id, new_token_ids, finished = (
+                request_id, new_token_ids, new_text, finished = (
                     out.request_id,
                     out.new_token_ids,
+                    out.new_text,
                     out.finished,
                 )
             paced = self._requests.get(request_id)
             if paced is None:
                 continue
             paced.pending.add(out)
+            paced.pending_text = paced.pending_text or bool(new_text)
             if new_token_ids:
                 paced.stamps.append((len(new_token_ids), now_s))
-            if not (finished or (paced.stream and now_s >= paced.next_send_s)):
+            if paced.stream and not paced.text_sent:
+                send = paced.pending_text  # the first text goes at once
+            else:
+                send = paced.stream and now_s >= paced.next_send_s
+            if not (finished or send):
                 continue  # joins a later output
             due.append((request_id, paced.pending.take(), paced.stamps))
             paced.stamps = []
+            paced.text_sent = paced.text_sent or paced.pending_text
+            paced.pending_text = False
             paced.next_send_s = now_s + interval_s
             if finished:
                 self._drop(request_id)

@@ -8,9 +8,9 @@ Request lifecycle (`generate`):
   1. the ingress calls `generate` through a streaming `DeploymentHandle` for a streamed
      request, `generate_whole` (the same, as one reply) for one that is not;
   2. the engine's outputs go back as `GenerateChunk`s (deltas), paced by the engine's step loop
-     (`cluster.engine_loop`): for a streamed request the first at once, then at most one chunk
-     per stream interval holding every step since the last one; for a non-streamed request one
-     chunk, the whole completion;
+     (`cluster.engine_loop`): for a streamed request the first with text at once, then at most
+     one chunk per stream interval holding every step since the last one; for a non-streamed
+     request one chunk, the whole completion;
   3. an engine error is yielded as one `GenerateFailure` and the stream ends;
   4. if the stream is torn down early (the client disconnected, so Serve cancelled the call),
      `finally` aborts the engine request, which frees its KV blocks.

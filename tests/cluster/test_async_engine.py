@@ -86,7 +86,7 @@ def test_a_request_not_streamed_gets_one_output_and_every_tokens_time(engine, ti
 
 @MODES
 def test_a_paced_stream_joins_steps_and_keeps_the_text(tiny_model_dir, own_process):
-    # 1 stream output per second: the first at once, the rest of 40 tokens (well under a
+    # 1 stream output per second: the first text at once, the rest of 40 tokens (well under a
     # second on the CPU tiny model) in the final output.
     engine = AsyncEngine(
         EngineConfig(model=tiny_model_dir, num_draft_tokens=0, dtype="float32"),
