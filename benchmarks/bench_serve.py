@@ -30,9 +30,12 @@ consecutive outputs that carried text; an MTP round's tokens, and a paced stream
 together) at p50/p99, and request latency p50. A second table says where the CPU went: each
 process's CPU milliseconds per request during the level (Linux), the replica, the engine process,
 Serve's proxy and controller, Ray's core, the clients, this bench (offline: the engine itself).
-The last line says whether every prompt's text was the same on every path (greedy). The clients
-run in a process of their own (`--no-client-process`: in this one) with `aiohttp` (Ray's own
-dependency), else `httpx`.
+A third table sets the clients' mean TTFT and latency per request beside the replica's own
+(from its /metrics histograms over the level: from the handler's call into the engine to the
+first token and to the end), so what HTTP, Serve and the handler add shows apart from the
+engine. The last line says whether every prompt's text was the same on every path (greedy).
+The clients run in a process of their own (`--no-client-process`: in this one) with `aiohttp`
+(Ray's own dependency), else `httpx`.
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ class LevelResult:
     slowest_step_s: float | None = None  # offline: the longest `engine.step()` call
     slowest_step_outputs: int = 0  # and how many requests it returned outputs for
     cpu_s: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds in the level
+    # HTTP: the replica's own means over the level (its /metrics histograms): time from the
+    # handler's call into the engine to the first token, and to the request's end
+    replica_ttft_mean_s: float | None = None
+    replica_e2e_mean_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,6 +121,10 @@ class LevelResult:
             "itl_p50_s": q(self.itl_s, 50),
             "itl_p99_s": q(self.itl_s, 99),
             "latency_p50_s": q(self.latency_s, 50),
+            "ttft_mean_s": sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else None,
+            "latency_mean_s": sum(self.latency_s) / len(self.latency_s) if self.latency_s else None,
+            "replica_ttft_mean_s": self.replica_ttft_mean_s,
+            "replica_e2e_mean_s": self.replica_e2e_mean_s,
             "first_errors": self.first_errors,
             "slowest_step_s": self.slowest_step_s,
             "slowest_step_outputs": self.slowest_step_outputs,
@@ -433,6 +444,62 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def where_time_goes_table(rows: list[dict]) -> str:
+    """Means per request: what the clients measured against what the replica saw from its call
+    into the engine (the difference is HTTP, Serve and the handler before the call, and the
+    delivery back to the client after the token)."""
+    lines = [
+        "| path | concurrency | pass | TTFT mean, client / replica (ms) "
+        "| latency mean, client / replica (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["path"] == "offline" or r.get("replica_e2e_mean_s") is None:
+            continue
+        lines.append(
+            f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} "
+            f"| {_ms(r['ttft_mean_s'])} / {_ms(r['replica_ttft_mean_s'])} "
+            f"| {_ms(r['latency_mean_s'])} / {_ms(r['replica_e2e_mean_s'])} |"
+        )
+    return "\n".join(lines)
+
+
+def replica_histograms(url: str) -> dict[str, float]:
+    """The replicas' latency histograms' sums and counts from /metrics (summed over replicas),
+    read after the replicas' last reports are in (they report every REPORT_PERIOD_S):
+    {"ttft_sum": s, "ttft_count": n, "e2e_sum": s, "e2e_count": n}; empty if unreadable."""
+    import urllib.request
+
+    from deploy.metrics import REPORT_PERIOD_S
+
+    time.sleep(REPORT_PERIOD_S + 0.3)
+    names = {
+        "mtpserve:time_to_first_token_seconds_sum": "ttft_sum",
+        "mtpserve:time_to_first_token_seconds_count": "ttft_count",
+        "mtpserve:e2e_request_latency_seconds_sum": "e2e_sum",
+        "mtpserve:e2e_request_latency_seconds_count": "e2e_count",
+    }
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            key = names[name]
+            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _mean_between(before: dict, after: dict, what: str) -> float | None:
+    count = after.get(f"{what}_count", 0.0) - before.get(f"{what}_count", 0.0)
+    if count <= 0:
+        return None
+    return (after[f"{what}_sum"] - before.get(f"{what}_sum", 0.0)) / count
+
+
 def _commit() -> str:
     """GIT_COMMIT when set (a copied tree may carry a stale .git), else git's HEAD."""
     if os.environ.get("GIT_COMMIT"):
@@ -584,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [r.summary() for r in rows]
     print(table(summaries))
     print(cpu_table(summaries))
+    print(where_time_goes_table(summaries))
     texts = _text_agreement(rows)
     print(texts)
     if first_ms:
@@ -738,9 +806,13 @@ def _http_level(server: _Server, prompts, path: str, c: int, repeat: int, args) 
     named = {os.getpid(): "bench"}
     if server.client_pid is not None:
         named[server.client_pid] = "clients"
+    histograms = replica_histograms(server.url)
     before = process_cpu_s(named)
     row = server.run(prompts, path, c, n, args.max_tokens)
     row.cpu_s = cpu_used(before, process_cpu_s(named))
+    after = replica_histograms(server.url)
+    row.replica_ttft_mean_s = _mean_between(histograms, after, "ttft")
+    row.replica_e2e_mean_s = _mean_between(histograms, after, "e2e")
     row.repeat = repeat
     print(f"  {path} c={c}: {row.tokens_per_s:.0f} tok/s", flush=True)
     if row.first_errors:
