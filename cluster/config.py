@@ -149,13 +149,14 @@ class EngineConfig:
 
     @property
     def cuda_graph_max_rows(self) -> int:
-        """Rows of the largest q = 1 graph. With MTP off a step that prefills replays it, its
-        tokens as rows (workers.model_runner), so it holds max_num_seqs decodes and a prompt
-        arriving beside them: twice max_num_seqs, at least 256, at most 512 and
-        max_num_batched_tokens (a step's token budget), never below max_num_seqs."""
+        """Rows of the largest q = 1 graph. A step that prefills replays it, every token a row
+        (workers.model_runner), so it holds max_num_seqs decodes or verifies (1 + k tokens
+        each) and max_num_seqs tokens of prompts arriving beside them: at least 256, at most
+        1024 and max_num_batched_tokens (a step's token budget), never below max_num_seqs."""
         if self.enforce_eager:
             return 0
-        rows = min(max(2 * self.max_num_seqs, 256), 512, self.max_num_batched_tokens)
+        per_seq = 2 + (self.num_draft_tokens or 0)
+        rows = min(max(per_seq * self.max_num_seqs, 256), 1024, self.max_num_batched_tokens)
         return max(rows, self.max_num_seqs)
 
     @property

@@ -21,7 +21,7 @@ import torch
 from workers.attention_metadata import AttentionMetadata
 from workers.step_tensors import StepLayout, pack_step
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 class _StepViews(NamedTuple):

@@ -26,21 +26,24 @@ def test_indexer_numerics_accepted() -> None:
 
 
 @pytest.mark.parametrize(
-    "max_num_seqs, max_num_batched_tokens, eager, rows",
+    "max_num_seqs, k, max_num_batched_tokens, eager, rows",
     [
-        (64, 2048, False, 256),  # the default: room for 64 decodes and a prompt beside them
-        (8, 2048, False, 256),
-        (200, 2048, False, 400),
-        (256, 2048, False, 512),
-        (600, 2048, False, 600),  # never below the decode batches
-        (64, 100, False, 100),  # a step never holds more tokens than its budget
-        (64, 2048, True, 0),  # enforce_eager: no graphs
+        (64, 0, 2048, False, 256),  # room for 64 decodes and as many prompt tokens beside them
+        (64, 3, 2048, False, 320),  # the default draft length: 64 verifies of 4 tokens, + 64
+        (8, 0, 2048, False, 256),
+        (200, 0, 2048, False, 400),
+        (256, 0, 2048, False, 512),
+        (256, 3, 2048, False, 1024),  # at most 1024
+        (1500, 0, 2048, False, 1500),  # never below the decode batches
+        (64, 0, 100, False, 100),  # a step never holds more tokens than its budget
+        (64, 0, 2048, True, 0),  # enforce_eager: no graphs
     ],
 )
-def test_cuda_graph_max_rows(max_num_seqs, max_num_batched_tokens, eager, rows):
+def test_cuda_graph_max_rows(max_num_seqs, k, max_num_batched_tokens, eager, rows):
     config = EngineConfig(
         model="m",
         max_num_seqs=max_num_seqs,
+        num_draft_tokens=k,
         max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=eager,
     )
