@@ -181,7 +181,12 @@ class MtpProposer:
         self, step: StepInput, batch: StepTensors, hidden: torch.Tensor, results: list[SeqResult]
     ) -> None:
         """Sets results[i].next_draft_token_ids for every request that sampled this step;
-        `hidden` [T, hidden] holds the step's target hidden states."""
+        `hidden` [T, hidden] holds the step's target hidden states.
+
+        After a verify step whose target replayed its graph: the verify layout's proposal graph
+        (k + 1 rows per request). After a step whose target ran as rows of a q = 1 graph
+        (prompts beside verifies): a rows proposal graph, unless its pair rows exceed the
+        largest row bucket. Otherwise (and on CPU) eagerly."""
         seqs, num_drafts = batch.seqs, step.num_draft_tokens
         graphed = (
             self.graphs is not None
