@@ -69,8 +69,8 @@ def cublaslt_block_scaled(device: torch.device) -> bool:
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_capability(index) != (9, 0):
-        return False
+    if index not in _PROBED and torch.cuda.get_device_capability(index) != (9, 0):
+        _PROBED[index] = False  # asked once per device, as the probe is
     if index not in _PROBED:
         if torch.cuda.is_current_stream_capturing():
             return False
