@@ -147,8 +147,8 @@ class ProposeGraphs:
     sharing); rows of pairs a request does not have write no cache slot. After any other step
     whose target ran as rows of a q = 1 graph (prompts arriving beside verifies, `run_rows`):
     any pair rows, each with its own request's block-table row, keyed by (row bucket, k,
-    sharing); every row bucket's slot may be a drafting request's (padding rows draft nothing
-    and write nothing)."""
+    sharing); up to max_batch requests draft from them (padding rows draft nothing and write
+    nothing)."""
 
     def __init__(self, model, decode_graphs: DecodeGraphs):
         self.model = model
@@ -194,6 +194,9 @@ class ProposeGraphs:
 
     def _row_buffers(self, rows: int) -> dict:
         d = self.device
+        # A step has at most max_batch requests, so at most that many draft: the draft steps
+        # (and their LM head) run over that many rows, not over every pair row.
+        drafting = min(rows, self.decode.max_batch)
         return dict(
             tokens=torch.zeros(rows, dtype=torch.long, device=d),
             hidden=torch.zeros(
@@ -205,8 +208,8 @@ class ProposeGraphs:
             block_tables=torch.zeros(
                 rows, self.decode.max_blocks_per_seq, dtype=torch.int32, device=d
             ),
-            last_rows=torch.zeros(rows, dtype=torch.long, device=d),
-            valid=torch.zeros(rows, dtype=torch.bool, device=d),
+            last_rows=torch.zeros(drafting, dtype=torch.long, device=d),
+            valid=torch.zeros(drafting, dtype=torch.bool, device=d),
         )
 
     def capture_rows(self, rows: int, k: int, share: bool) -> None:
@@ -251,7 +254,7 @@ class ProposeGraphs:
         buf["hidden"][:num_rows].copy_(source.index_select(0, host[1, :num_rows]))
         buf["positions"].copy_(host[2])
         buf["seq_idx"].copy_(host[3])
-        buf["last_rows"].copy_(host[4])
+        buf["last_rows"].copy_(host[4, : buf["last_rows"].shape[0]])
         buf["slot_mapping"].copy_(host[5])
         buf["block_tables"].zero_()
         buf["block_tables"][: block_tables.shape[0], : block_tables.shape[1]].copy_(block_tables)

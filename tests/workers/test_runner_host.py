@@ -227,11 +227,13 @@ def test_row_buckets_keep_the_decode_buckets_below_max_batch():
     assert DecodeGraphs(None, 64, 4, torch.device("cpu")).row_buckets[-1] == 64
 
 
-def test_mtp_rows_proposals_with_chunked_prompts(tiny_model_dir):
+@pytest.mark.parametrize("max_num_seqs", [8, 4])
+def test_mtp_rows_proposals_with_chunked_prompts(tiny_model_dir, max_num_seqs):
     """MTP k = 2, prompts chunked by a 16-token step budget while others verify: the
     proposals after rows steps (pair rows of several requests, a chunk's end held for the
-    next chunk, non-final chunks that draft nothing) run as rows of a graph, and greedy
-    tokens equal greedy without MTP, token for token."""
+    next chunk, non-final chunks that draft nothing; with 4 sequences at most, as many
+    drafting requests as the graph's draft rows) run as rows of a graph, and greedy tokens
+    equal greedy without MTP, token for token."""
     g = torch.Generator().manual_seed(4)
     lens = [9, 41, 3, 30, 17, 5]
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
@@ -239,11 +241,11 @@ def test_mtp_rows_proposals_with_chunked_prompts(tiny_model_dir):
         SamplingParams(max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    options = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    options = dict(dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=16)
     plain = LLM(tiny_model_dir, num_draft_tokens=0, **options)
     expected = generate_staggered(plain, prompts, params, every=2)
     graphed = LLM(tiny_model_dir, num_draft_tokens=2, **options)
-    _, propose = _with_cpu_graphs(graphed, max_batch=8, max_rows=16)
+    _, propose = _with_cpu_graphs(graphed, max_batch=max_num_seqs, max_rows=16)
     assert generate_staggered(graphed, prompts, params, every=2) == expected
     replayed = [key for key, (graph, _, _) in propose.row_graphs.items() if graph.replays]
     assert replayed and all(k == 2 for _, k, _ in replayed)
