@@ -263,7 +263,11 @@ class OpenAIIngress:
                     self._info = info
         return self._info, self._tokenizer
 
-    async def _tokenize(self, fn, *args):
+    async def _tokenize(self, fn, *args, inline: bool = False):
+        """`fn(*args)` on the tokenizer's thread, or, `inline`, here (for work that never
+        touches the tokenizer: token-id prompts)."""
+        if inline:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def _check_sizes(self, texts: list[str], num_sequences: int, info: ModelInfo, param: str):
@@ -394,7 +398,12 @@ class OpenAIIngress:
         if refused is not None:
             return refused
         try:
-            prompts = await self._tokenize(serving.completion_prompt_token_ids, request, tokenizer)
+            prompts = await self._tokenize(
+                serving.completion_prompt_token_ids,
+                request,
+                tokenizer,
+                inline=not request.prompt_texts,  # token ids only: no tokenizer, no thread
+            )
         except Exception:  # noqa: BLE001 - what the tokenizer refuses is the prompt's fault
             logger.debug("tokenizing a prompt failed", exc_info=True)  # the client's 400
             return error_response(
