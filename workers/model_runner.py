@@ -282,7 +282,8 @@ class ModelRunner:
         verifies; verifies of unequal lengths), (num_tokens, 1): every token one row of the
         q = 1 graph of its bucket, since the forward reads each row's own position and table
         row (workers.attention_metadata) and writes every row's keys before any row attends.
-        With MTP the proposal after such a step runs eagerly (`MtpProposer.propose`).
+        With MTP the proposal after such a step replays a rows graph of its own
+        (`MtpProposer.propose`).
 
         A prompt arriving while others decode then costs one graph replay instead of an eager
         forward of the whole batch (a prompt's prefill step on the default model: 0.70 ms

@@ -54,7 +54,7 @@ class WorkerSpec:
     topk_src_rank: int | None  # see workers.model.Indexer.src_tp_rank
     collective_timeout_s: float  # every collective of the group; a hung peer becomes an error
     cuda_graph_max_batch: int = 0  # 0: eager decode steps
-    cuda_graph_max_rows: int = 0  # q = 1 graphs' rows for steps that prefill (MTP off)
+    cuda_graph_max_rows: int = 0  # q = 1 graphs' rows, for steps that prefill (>= max batch)
     # KV slots one sequence may own: the context plus the MTP lookahead (block-table width)
     max_seq_slots: int = 8192
     max_num_seqs: int = 64
