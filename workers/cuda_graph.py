@@ -228,7 +228,9 @@ class ProposeGraphs:
         """-> drafts [R, k] (device) for the R drafting requests, or None when the pair rows
         exceed the largest row bucket (the caller runs the proposal eagerly)."""
         num_rows = len(pairs.tokens)
-        rows = self.decode.bucket(num_rows, 1)
+        # A request may have no pair row (a one-token chunk of a longer prompt): the bucket
+        # holds every request's block-table row as well.
+        rows = self.decode.bucket(max(num_rows, block_tables.shape[0]), 1)
         if rows is None:
             return None
         key = (rows, k, share)

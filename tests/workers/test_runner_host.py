@@ -249,3 +249,26 @@ def test_mtp_rows_proposals_with_chunked_prompts(tiny_model_dir, max_num_seqs):
     assert generate_staggered(graphed, prompts, params, every=2) == expected
     replayed = [key for key, (graph, _, _) in propose.row_graphs.items() if graph.replays]
     assert replayed and all(k == 2 for _, k, _ in replayed)
+
+
+def test_rows_proposal_holds_requests_without_pair_rows(tiny_model_dir):
+    """A step's requests can outnumber its pair rows (a one-token chunk of a longer prompt
+    makes none): the rows graph's bucket holds every request's block-table row, and the
+    drafts are those of an eager proposal."""
+    from workers.mtp_proposer import DraftPairs, draft_chain
+
+    llm = LLM(tiny_model_dir, num_draft_tokens=2, dtype="float32", max_num_seqs=4)
+    graphs, propose = _with_cpu_graphs(llm, max_batch=4, max_rows=8)
+    runner = llm.engine.executor.worker.runner
+    hidden = torch.randn(4, runner.model.config.hidden_size)
+    pairs = DraftPairs()
+    for row in range(4):  # requests 0..3 one pair row each, at positions 5.., writing nothing
+        pairs.add(row, 7 + row, row, 5 + row, -1)
+    pairs.drafting_seqs, pairs.last_rows = [0, 1, 2, 3], [0, 1, 2, 3]
+    # 5 requests, blocks of their own (request 4 has no pair row)
+    tables = torch.arange(1, 11, dtype=torch.int32).view(5, 2)
+    got = propose.run_rows(pairs, hidden, tables, 2, False)
+    assert got is not None and got.shape == (4, 2)
+    assert min(rows for rows, _, _ in propose.row_graphs) >= 5  # not the 4-row bucket
+    inputs = runner.proposer._inputs(pairs, hidden, tables)
+    assert torch.equal(got, draft_chain(runner.model, inputs, 2, False))
