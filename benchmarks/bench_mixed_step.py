@@ -7,8 +7,8 @@ decoding requests alone, against the same step when one request arrives before i
 A decode step of same-length sequences replays a CUDA graph (with MTP: the verify and the
 proposal). A step that also carries a prefill replays the one-token decode graph with every
 token as a row when they fit its largest row bucket (`ModelRunner._graph_key`; with MTP the
-proposal after it runs eagerly), and otherwise runs the whole batch eagerly: under a steady
-stream of arrivals (what a server sees) that is most steps. Per batch size B: the median
+proposal after it replays a rows graph too), and otherwise runs the whole batch eagerly: under a
+steady stream of arrivals (what a server sees) that is most steps. Per batch size B: the median
 `LLMEngine.step()` time of decode-only steps, of steps carrying one arriving request's prefill of
 `--prompt-len` tokens (as the engine runs them, and with the rows graphs switched off:
 `ModelRunner.prefill_in_graphs`, the whole step eager), their ratios to the decode step, and the

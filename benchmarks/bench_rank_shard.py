@@ -268,7 +268,7 @@ def recorded_collectives(model, state, batch: int, k: int = 0, share_topk: bool 
         graphs._forward(*graphs._static_inputs(batch, 1 + k))
         if k:
             propose = ProposeGraphs(model, graphs)
-            propose._forward(propose._buffers(batch, k), k, share_topk)
+            propose._forward(propose._verify_buffers(batch, k), k, share_topk)
     return list(state.simulated_collectives)
 
 

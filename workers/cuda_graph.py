@@ -161,22 +161,31 @@ class ProposeGraphs:
             tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]
         ] = {}
 
-    def _buffers(self, batch: int, k: int) -> dict:
-        rows = batch * (k + 1)
-        hidden = self.model.config.hidden_size
+    def _buffers(self, rows: int, num_tables: int, num_drafting: int) -> dict:
+        """A graph's static inputs: `rows` pair rows (none writing a slot until loaded),
+        `num_tables` block-table rows, `num_drafting` drafting requests."""
         d = self.device
         return dict(
             tokens=torch.zeros(rows, dtype=torch.long, device=d),
-            hidden=torch.zeros(rows, hidden, dtype=self.model.dtype, device=d),
+            hidden=torch.zeros(
+                rows, self.model.config.hidden_size, dtype=self.model.dtype, device=d
+            ),
             positions=torch.zeros(rows, dtype=torch.long, device=d),
             slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=d),
-            seq_idx=torch.arange(batch, device=d).repeat_interleave(k + 1),
+            seq_idx=torch.zeros(rows, dtype=torch.long, device=d),
             block_tables=torch.zeros(
-                batch, self.decode.max_blocks_per_seq, dtype=torch.int32, device=d
+                num_tables, self.decode.max_blocks_per_seq, dtype=torch.int32, device=d
             ),
-            last_rows=torch.arange(batch, device=d) * (k + 1),
-            valid=torch.zeros(batch, dtype=torch.bool, device=d),
+            last_rows=torch.zeros(num_drafting, dtype=torch.long, device=d),
+            valid=torch.zeros(num_drafting, dtype=torch.bool, device=d),
         )
+
+    def _verify_buffers(self, batch: int, k: int) -> dict:
+        """The verify layout's: k + 1 rows per request, each request drafting from its first."""
+        buf = self._buffers(batch * (k + 1), batch, batch)
+        buf["seq_idx"].copy_(torch.arange(batch, device=self.device).repeat_interleave(k + 1))
+        buf["last_rows"].copy_(torch.arange(batch, device=self.device) * (k + 1))
+        return buf
 
     def _forward(self, buf: dict, k: int, share: bool) -> torch.Tensor:
         from workers.mtp_proposer import DraftInputs, draft_chain
@@ -187,35 +196,19 @@ class ProposeGraphs:
         inputs = DraftInputs(buf["tokens"], buf["hidden"], meta, buf["last_rows"], buf["valid"])
         return draft_chain(self.model, inputs, k, share)
 
-    def _capture(self, batch: int, k: int, share: bool) -> None:
-        buf = self._buffers(batch, k)
+    def _capture_into(self, store: dict, key: tuple[int, int, bool], buf: dict) -> None:
+        _, k, share = key
         graph, out = self.decode.capture_graph(lambda: self._forward(buf, k, share))
-        self.graphs[(batch, k, share)] = (graph, buf, out)
+        store[key] = (graph, buf, out)
 
-    def _row_buffers(self, rows: int) -> dict:
-        d = self.device
-        # A step has at most max_batch requests, so at most that many draft: the draft steps
-        # (and their LM head) run over that many rows, not over every pair row.
-        drafting = min(rows, self.decode.max_batch)
-        return dict(
-            tokens=torch.zeros(rows, dtype=torch.long, device=d),
-            hidden=torch.zeros(
-                rows, self.model.config.hidden_size, dtype=self.model.dtype, device=d
-            ),
-            positions=torch.zeros(rows, dtype=torch.long, device=d),
-            slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=d),
-            seq_idx=torch.zeros(rows, dtype=torch.long, device=d),
-            block_tables=torch.zeros(
-                rows, self.decode.max_blocks_per_seq, dtype=torch.int32, device=d
-            ),
-            last_rows=torch.zeros(drafting, dtype=torch.long, device=d),
-            valid=torch.zeros(drafting, dtype=torch.bool, device=d),
-        )
+    def _capture(self, batch: int, k: int, share: bool) -> None:
+        self._capture_into(self.graphs, (batch, k, share), self._verify_buffers(batch, k))
 
     def capture_rows(self, rows: int, k: int, share: bool) -> None:
-        buf = self._row_buffers(rows)
-        graph, out = self.decode.capture_graph(lambda: self._forward(buf, k, share))
-        self.row_graphs[(rows, k, share)] = (graph, buf, out)
+        # A step has at most max_batch requests, so at most that many draft: the draft steps
+        # (and their LM head) run over that many rows, not over every pair row.
+        buf = self._buffers(rows, rows, min(rows, self.decode.max_batch))
+        self._capture_into(self.row_graphs, (rows, k, share), buf)
 
     def run_rows(
         self,
@@ -241,23 +234,23 @@ class ProposeGraphs:
         if pairs.pending_hidden:  # rows past the step's: chunk ends held from earlier steps
             source = torch.cat([hidden, torch.stack(pairs.pending_hidden)])
         num_drafting = len(pairs.last_rows)
+        # One host buffer, one copy: padding rows are token 0 at position 0 of request 0,
+        # writing no slot; padding drafting rows draft from row 0 and are not valid.
         host = torch.zeros(6, rows, dtype=torch.long)
-        host[5, num_rows:] = -1  # padding rows write no slot
         host[:5, :num_rows] = torch.tensor(
             [pairs.tokens, pairs.hidden_rows, pairs.positions, pairs.seq_idx, pairs.slots],
             dtype=torch.long,
         )
-        host[5, :num_rows] = host[4, :num_rows]
-        host[4, :num_drafting] = torch.tensor(pairs.last_rows, dtype=torch.long)
-        host[4, num_drafting:] = 0
+        host[4, num_rows:] = -1
+        host[5, :num_drafting] = torch.tensor(pairs.last_rows, dtype=torch.long)
         pinned = self.device.type == "cuda"
         host = (host.pin_memory() if pinned else host).to(self.device, non_blocking=True)
         buf["tokens"].copy_(host[0])
         buf["hidden"][:num_rows].copy_(source.index_select(0, host[1, :num_rows]))
         buf["positions"].copy_(host[2])
         buf["seq_idx"].copy_(host[3])
-        buf["last_rows"].copy_(host[4, : buf["last_rows"].shape[0]])
-        buf["slot_mapping"].copy_(host[5])
+        buf["slot_mapping"].copy_(host[4])
+        buf["last_rows"].copy_(host[5, : buf["last_rows"].shape[0]])
         buf["block_tables"].zero_()
         buf["block_tables"][: block_tables.shape[0], : block_tables.shape[1]].copy_(block_tables)
         buf["valid"].zero_()

@@ -29,8 +29,8 @@ class StepTensors:
     logit_rows: list[int]  # rows whose logits are sampled: a verify's 1 + k, a last chunk's last
     graphable: bool  # a decode or verify step that its decode graph replays, q rows a sequence
     # The (rows, tokens per row-group) key of the decode graph that replays this step, or None
-    # (eager): (num_seqs, q) for a decode/verify step, (num_tokens, 1) for a step of prefill
-    # chunks (alone or beside decodes, MTP off) whose tokens are rows of the q = 1 graph.
+    # (eager): (num_seqs, q) for a decode/verify step, (num_tokens, 1) for any other step (prefill
+    # chunks alone or beside decodes or verifies), whose tokens are rows of the q = 1 graph.
     graph_key: tuple[int, int] | None = None
 
 
