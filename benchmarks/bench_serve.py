@@ -465,31 +465,40 @@ def where_time_goes_table(rows: list[dict]) -> str:
 
 
 def replica_histograms(url: str) -> dict[str, float]:
-    """The replicas' latency histograms' sums and counts from /metrics (summed over replicas),
-    read after the replicas' last reports are in (they report every REPORT_PERIOD_S):
-    {"ttft_sum": s, "ttft_count": n, "e2e_sum": s, "e2e_count": n}; empty if unreadable."""
+    """`histogram_totals` of the server's /metrics, read after the replicas' last reports are
+    in (they report every REPORT_PERIOD_S); empty if unreadable."""
     import urllib.request
 
     from deploy.metrics import REPORT_PERIOD_S
 
     time.sleep(REPORT_PERIOD_S + 0.3)
-    names = {
-        "mtpserve:time_to_first_token_seconds_sum": "ttft_sum",
-        "mtpserve:time_to_first_token_seconds_count": "ttft_count",
-        "mtpserve:e2e_request_latency_seconds_sum": "e2e_sum",
-        "mtpserve:e2e_request_latency_seconds_count": "e2e_count",
-    }
     try:
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
-            text = reply.read().decode()
+            return histogram_totals(reply.read().decode())
     except OSError:
         return {}
+
+
+def histogram_totals(text: str) -> dict[str, float]:
+    """The latency histograms' sums and counts in a Prometheus exposition, summed over the
+    replicas: {"ttft_sum": s, "ttft_count": n, "e2e_sum": s, "e2e_count": n}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deploy.metrics import PREFIX
+
+    names = {}
+    for what, metric in (
+        ("ttft", "time_to_first_token_seconds"),
+        ("e2e", "e2e_request_latency_seconds"),
+    ):
+        for part in ("sum", "count"):
+            names[f"{PREFIX}{metric}_{part}"] = f"{what}_{part}"
     totals: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            key = names[name]
-            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                key = names[sample.name]
+                totals[key] = totals.get(key, 0.0) + sample.value
     return totals
 
 

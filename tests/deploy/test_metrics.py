@@ -295,3 +295,30 @@ def test_latency_histogram_exposes_what_prometheus_client_would():
     assert want.keys() == got.keys()
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_bench_serve_reads_the_replicas_latency_sums_and_counts():
+    """bench_serve's client-against-replica table reads the TTFT and end-to-end histograms out of
+    /metrics as the hub renders them (two replicas, merged): their sums and counts, added."""
+    import importlib.util
+    import sys
+
+    from deploy.metrics import ReplicaMetrics, render
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve_for_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+
+    replicas = [ReplicaMetrics("m"), ReplicaMetrics("m")]
+    replicas[0].first_tokens(1, 0.25)
+    replicas[0].first_tokens(3, 0.5)
+    replicas[1].first_tokens(1, 1.0)
+    replicas[1].e2e_request_latency_s.observe(2.0)
+    text = render([r.report(f"replica-{i}") for i, r in enumerate(replicas)]).decode()
+    totals = bench.histogram_totals(text)
+    assert totals == {"ttft_sum": 1.75, "ttft_count": 3.0, "e2e_sum": 2.0, "e2e_count": 1.0}
+    later = {"ttft_sum": 2.75, "ttft_count": 5.0, "e2e_sum": 2.0, "e2e_count": 1.0}
+    assert bench._mean_between(totals, later, "ttft") == 0.5
+    assert bench._mean_between(totals, later, "e2e") is None  # nothing ended in between
