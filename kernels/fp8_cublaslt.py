@@ -31,27 +31,24 @@ logger = logging.getLogger(__name__)
 CUBLASLT_MIN_ROWS = 256
 
 
-def cublaslt_shape_ok(num_rows: int, out_features: int, in_features: int) -> bool:
-    """cuBLASLt's block-scaled FP8 layouts: whole 128-blocks of output features, K in whole
-    blocks with a multiple of 4 of them (the weight scales' row stride), rows in multiples of
-    16 (FP8 GEMM operand alignment)."""
-    return (
-        num_rows % 16 == 0 and out_features % FP8_BLOCK == 0 and in_features % (4 * FP8_BLOCK) == 0
-    )
+def cublaslt_shape_ok(out_features: int, in_features: int) -> bool:
+    """cuBLASLt's block-scaled FP8 layouts for a weight: whole 128-blocks of output features, K
+    in whole blocks with a multiple of 4 of them (the weight scales' row stride). The
+    activations' rows come in multiples of 16 (`quantize_activations_triton`'s
+    rows_multiple)."""
+    return out_features % FP8_BLOCK == 0 and in_features % (4 * FP8_BLOCK) == 0
 
 
 def fp8_gemm_cublaslt(
-    a: torch.Tensor,  # [M, K] float8_e4m3fn, contiguous
+    a: torch.Tensor,  # [M, K] float8_e4m3fn, contiguous, M a multiple of 16
     a_scale: torch.Tensor,  # [M, K/128] float32, strides (1, M) (token-major)
     weight: torch.Tensor,  # [N, K] float8_e4m3fn, contiguous
     scale_inv: torch.Tensor,  # [N/128, K/128] float32, contiguous
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """`kernels.fp8.fp8_gemm_reference` on cuBLASLt: [M, N] in out_dtype. The caller checks
-    `cublaslt_shape_ok`; a_scale comes token-major from
-    `quantize_activations_triton(x, scales_token_major=True)`."""
-    if a_scale.stride(0) != 1:
-        a_scale = a_scale.t().contiguous().t()
+    `cublaslt_shape_ok`; a and a_scale come from
+    `quantize_activations_triton(x, scales_token_major=True, rows_multiple=16)`."""
     return torch._scaled_mm(
         a,
         weight.t(),  # [K, N], column-major as cuBLASLt takes B
@@ -93,6 +90,7 @@ def _probe(device_index: int) -> bool:
     w *= torch.linspace(0.5, 4.0, out_features)[:, None]
     weight, scale_inv = (t.to(device) for t in quantize_fp8_reference(w))
     a, a_scale = (t.to(device) for t in quantize_activations_reference(x))
+    a_scale = a_scale.t().contiguous().t()  # token-major, as cuBLASLt reads it
     try:
         got = fp8_gemm_cublaslt(a, a_scale, weight, scale_inv).float()
     except (RuntimeError, NotImplementedError) as error:

@@ -249,13 +249,11 @@ def fp8_linear_w8a8(
     where this device's cuBLASLt takes DeepSeek's block scales and the shape its layouts,
     cuBLASLt's block-scaled FP8 GEMM (rows padded to 16); otherwise the Triton kernel."""
     num_rows = x.shape[0]
-    out_features, in_features = weight.shape
-    padded = -(-num_rows // 16) * 16
     if (
         num_rows >= CUBLASLT_MIN_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.is_contiguous()
-        and cublaslt_shape_ok(padded, out_features, in_features)
+        and cublaslt_shape_ok(*weight.shape)
         and cublaslt_block_scaled(x.device)
     ):
         q, q_scale = quantize_activations_triton(x, scales_token_major=True, rows_multiple=16)

@@ -344,13 +344,12 @@ def sparse_mla_attention_triton(
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=device)
     if num_tokens == 0:
         return out
+    # One split: its programs write `out` and no partial is made (empty, never read).
     direct = num_splits == 1
-    # [T, splits, H, L] and [T, splits, H], fp32 (unused with one split)
-    partial_shape = (num_tokens, num_splits, num_heads) if not direct else (0, 0, 0)
-    partial_out = torch.empty(
-        *partial_shape, 0 if direct else kv_lora_rank, dtype=torch.float32, device=device
-    )
-    partial_max = torch.empty(partial_shape, dtype=torch.float32, device=device)
+    num_partials = 0 if direct else num_tokens * num_splits * num_heads
+    # [T, splits, H, L] and [T, splits, H], fp32, flattened
+    partial_out = torch.empty(num_partials * kv_lora_rank, dtype=torch.float32, device=device)
+    partial_max = torch.empty(num_partials, dtype=torch.float32, device=device)
     partial_sum = torch.empty_like(partial_max)
     block_l = max(16, triton.next_power_of_2(kv_lora_rank))
     launch(
