@@ -33,7 +33,11 @@ Serve's proxy and controller, Ray's core, the clients, this bench (offline: the 
 A third table sets the clients' mean TTFT and latency per request beside the replica's own
 (from its /metrics histograms over the level: from the handler's call into the engine to the
 first token and to the end), so what HTTP, Serve and the handler add shows apart from the
-engine. The last line says whether every prompt's text was the same on every path (greedy).
+engine. A fourth counts the engine's steps over each level (`EngineStats.num_steps`), those that
+carried a prompt, and output tokens per step: a request's time outside the engine (HTTP, Serve,
+the handler, between one request's end and its client's next) shows as steps run with fewer
+requests than the offline engine's. The last line says whether every prompt's text was the same
+on every path (greedy).
 The clients run in a process of their own (`--no-client-process`: in this one) with `aiohttp`
 (Ray's own dependency), else `httpx`.
 """
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import gc
 import json
@@ -88,6 +93,9 @@ class LevelResult:
     # handler's call into the engine to the first token, and to the request's end
     replica_ttft_mean_s: float | None = None
     replica_e2e_mean_s: float | None = None
+    # The engine's steps over the level, and those that carried a prompt (None: not read)
+    num_steps: int | None = None
+    num_prefill_steps: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -125,6 +133,8 @@ class LevelResult:
             "latency_mean_s": sum(self.latency_s) / len(self.latency_s) if self.latency_s else None,
             "replica_ttft_mean_s": self.replica_ttft_mean_s,
             "replica_e2e_mean_s": self.replica_e2e_mean_s,
+            "num_steps": self.num_steps,
+            "num_prefill_steps": self.num_prefill_steps,
             "first_errors": self.first_errors,
             "slowest_step_s": self.slowest_step_s,
             "slowest_step_outputs": self.slowest_step_outputs,
@@ -464,6 +474,48 @@ def where_time_goes_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def steps_table(rows: list[dict]) -> str:
+    """The engine's steps per level: how many, how many carried a prompt, tokens per step."""
+    lines = [
+        "| path | concurrency | pass | steps | with a prompt | output tokens per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        steps, prefills = r.get("num_steps"), r.get("num_prefill_steps")
+        if not steps:
+            continue
+        lines.append(
+            f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} | {steps} "
+            f"| {prefills} ({prefills / steps:.0%}) | {r['num_output_tokens'] / steps:.1f} |"
+        )
+    return "Engine steps:\n" + "\n".join(lines)
+
+
+def step_counts(stats: dict | None) -> tuple[int, int] | None:
+    """(num_steps, num_prefill_steps) of an engine's stats (`EngineStats` as a dict)."""
+    if not stats or "num_steps" not in stats:
+        return None
+    return int(stats["num_steps"]), int(stats["num_prefill_steps"])
+
+
+def steps_between(before, after, row: LevelResult) -> None:
+    if before is not None and after is not None:
+        row.num_steps = after[0] - before[0]
+        row.num_prefill_steps = after[1] - before[1]
+
+
+def served_step_counts(url: str) -> tuple[int, int] | None:
+    """`step_counts` of the replica's engine, from /health (one replica: what the bench
+    deploys; the engine process sends its stats whenever a request ends)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as reply:
+            return step_counts(json.loads(reply.read()).get("engine"))
+    except (OSError, ValueError):
+        return None
+
+
 def replica_histograms(url: str) -> dict[str, float]:
     """`histogram_totals` of the server's /metrics, read after the replicas' last reports are
     in (they report every REPORT_PERIOD_S); empty if unreadable."""
@@ -661,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summaries))
     print(cpu_table(summaries))
     print(where_time_goes_table(summaries))
+    print(steps_table(summaries))
     texts = _text_agreement(rows)
     print(texts)
     if first_ms:
@@ -701,8 +754,10 @@ def _offline_level(engine, prompts, c: int, repeat: int, args) -> LevelResult:
     n = num_requests_for(c, args.rounds, args.min_requests)
     named = {os.getpid(): "bench (offline engine)"}
     before = process_cpu_s(named)
+    steps_before = step_counts(dataclasses.asdict(engine.stats()))
     row = run_offline(engine, prompts, c, n, args.max_tokens)
     row.cpu_s = cpu_used(before, process_cpu_s(named))
+    steps_between(steps_before, step_counts(dataclasses.asdict(engine.stats())), row)
     row.repeat = repeat
     print(
         f"  offline c={c}: {row.tokens_per_s:.0f} tok/s, slowest step "
@@ -816,10 +871,12 @@ def _http_level(server: _Server, prompts, path: str, c: int, repeat: int, args) 
     if server.client_pid is not None:
         named[server.client_pid] = "clients"
     histograms = replica_histograms(server.url)
+    steps_before = served_step_counts(server.url)
     before = process_cpu_s(named)
     row = server.run(prompts, path, c, n, args.max_tokens)
     row.cpu_s = cpu_used(before, process_cpu_s(named))
     after = replica_histograms(server.url)
+    steps_between(steps_before, served_step_counts(server.url), row)
     row.replica_ttft_mean_s = _mean_between(histograms, after, "ttft")
     row.replica_e2e_mean_s = _mean_between(histograms, after, "e2e")
     row.repeat = repeat

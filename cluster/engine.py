@@ -50,6 +50,8 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_finished: dict[str, int] = dataclasses.field(default_factory=dict)  # by finish_reason
     num_draft_tokens: int = 0  # the k the engine runs with; 0: MTP off
+    num_steps: int = 0  # steps that ran
+    num_prefill_steps: int = 0  # of them, steps that carried a prompt (a chunk of one)
     spec: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
 
     @property
@@ -200,6 +202,8 @@ class LLMEngine:
         self._preempted_ids += scheduled.preempted_ids
         if scheduled.is_empty:
             return []
+        self.counters.num_steps += 1
+        self.counters.num_prefill_steps += any(s.is_prefill for s in scheduled.scheduled)
         step_input = self._step_input(scheduled)
         results, failures = self._execute_isolating(step_input)
         changed = self.scheduler.update(scheduled, results)
@@ -332,6 +336,8 @@ class LLMEngine:
             num_generation_tokens=self.counters.num_generation_tokens,
             num_finished=dict(self.counters.num_finished),
             num_draft_tokens=self.num_draft_tokens,
+            num_steps=self.counters.num_steps,
+            num_prefill_steps=self.counters.num_prefill_steps,
             spec=spec,
         )
 

@@ -116,6 +116,8 @@ class EngineCounters:
     num_prompt_tokens: int = 0  # of requests that produced their first token
     num_generation_tokens: int = 0  # output tokens, every request's
     num_finished: dict[str, int] = field(default_factory=dict)  # requests by finish_reason
+    num_steps: int = 0  # steps that ran
+    num_prefill_steps: int = 0  # of them, steps that carried a prompt (a chunk of one)
 
     def observe(self, out: RequestOutput) -> None:
         first = bool(out.new_token_ids) and len(out.token_ids) == len(out.new_token_ids)

@@ -171,3 +171,22 @@ def test_chunked_prefill_gives_the_mtp_layer_every_position():
     written = caches[2048][:num]
     assert written.abs().amax(-1).min() > 0
     torch.testing.assert_close(caches[32][:num], written, atol=1e-4, rtol=1e-4)
+
+
+def test_stats_count_steps_and_those_that_carry_a_prompt(tiny_model_dir):
+    """a prefills alone, b's prompt rides with a's first decode, then two decode steps: four
+    steps, two with a prompt."""
+    from cluster.config import EngineConfig
+    from cluster.engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig(model=tiny_model_dir, num_draft_tokens=0, dtype="float32", device="cpu")
+    )
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), "a")
+    engine.step()
+    engine.add_request([8, 9, 10, 11, 12], SamplingParams(max_tokens=2, ignore_eos=True), "b")
+    while engine.has_unfinished:
+        engine.step()
+    stats = engine.stats()
+    assert (stats.num_steps, stats.num_prefill_steps) == (4, 2)
+    engine.shutdown()

@@ -297,19 +297,24 @@ def test_latency_histogram_exposes_what_prometheus_client_would():
         assert got[key] == pytest.approx(value, rel=1e-12), key
 
 
-def test_bench_serve_reads_the_replicas_latency_sums_and_counts():
-    """bench_serve's client-against-replica table reads the TTFT and end-to-end histograms out of
-    /metrics as the hub renders them (two replicas, merged): their sums and counts, added."""
+def _bench_serve():
     import importlib.util
     import sys
-
-    from deploy.metrics import ReplicaMetrics, render
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve.py"
     spec = importlib.util.spec_from_file_location("bench_serve_for_test", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up there
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_serve_reads_the_replicas_latency_sums_and_counts():
+    """bench_serve's client-against-replica table reads the TTFT and end-to-end histograms out of
+    /metrics as the hub renders them (two replicas, merged): their sums and counts, added."""
+    from deploy.metrics import ReplicaMetrics, render
+
+    bench = _bench_serve()
 
     replicas = [ReplicaMetrics("m"), ReplicaMetrics("m")]
     replicas[0].first_tokens(1, 0.25)
@@ -322,3 +327,28 @@ def test_bench_serve_reads_the_replicas_latency_sums_and_counts():
     later = {"ttft_sum": 2.75, "ttft_count": 5.0, "e2e_sum": 2.0, "e2e_count": 1.0}
     assert bench._mean_between(totals, later, "ttft") == 0.5
     assert bench._mean_between(totals, later, "e2e") is None  # nothing ended in between
+
+
+def test_bench_serve_counts_a_levels_engine_steps_from_the_engine_stats():
+    """The steps table: the engine's counters as /health's engine numbers carry them (JSON of
+    `EngineStats`), differenced over a level."""
+    import dataclasses
+    import json
+
+    from cluster.engine import EngineStats
+
+    bench = _bench_serve()
+
+    def health(steps: int, prefill_steps: int) -> dict:
+        stats = EngineStats(1, 0, 10, 10, num_steps=steps, num_prefill_steps=prefill_steps)
+        return json.loads(json.dumps(dataclasses.asdict(stats)))
+
+    row = bench.LevelResult("full", 32, num_output_tokens=640)
+    before, after = bench.step_counts(health(7, 3)), bench.step_counts(health(27, 8))
+    bench.steps_between(before, after, row)
+    assert (row.num_steps, row.num_prefill_steps) == (20, 5)
+    assert (
+        bench.steps_table([row.summary()]).splitlines()[-1]
+        == "| full | 32 | 1 | 20 | 5 (25%) | 32.0 |"
+    )
+    assert bench.step_counts({"num_running": 1}) is None  # an older server: no counts
