@@ -33,9 +33,10 @@ from kernels.moe_experts import (
 from kernels.platform import tl, triton, triton_interpreter
 
 # block_k is the scale block (one promotion per 128 of K); block_n a multiple of it, so the
-# gate/up epilogue quantizes whole groups. A starting point, not yet tuned on the H200:
-# `benchmarks/bench_fp8_linear.py --moe --sweep` times the alternatives.
-W8A8_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+# gate/up epilogue quantizes whole groups. The H200 sweep (`benchmarks/bench_fp8_linear.py --moe
+# --sweep`, BENCHMARKS.md, session 11) found this the fastest of 24 tiles at 512, 2048 and 8192
+# tokens; four stages instead of three: 5-8% at 512 and 2048 tokens.
+W8A8_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4)
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
