@@ -15,6 +15,14 @@ loop, after a length check that needs no tokenizer; a request may ask for at mos
 `max_live_sequences_per_request` of them are in the engine at once, the next starting as one
 finishes, so a huge fan-out shares the engine with everyone else instead of filling it.
 
+The two completion endpoints skip FastAPI's request machinery (`DirectRoutes`): a well-formed
+JSON body is parsed and validated here and handed to the route's own method, whose response is
+sent as it is; anything else (a body that is not a JSON object, one that fails validation, another
+content type) goes on to FastAPI's route, which words the error as for every other endpoint.
+FastAPI's routing, dependency solving and response encoding run on the replica's one event loop,
+which pays them for each request of a burst in turn (BENCHMARKS.md, session 11: the replica's CPU
+per request fell by a fifth to a third without them).
+
 When the HTTP client disconnects, Serve cancels this request and, through `_merge`'s `finally`,
 each engine call, and the model server aborts the engine requests (their KV blocks are freed).
 """
@@ -24,6 +32,7 @@ each engine call, and the model server aborts the engine requests (their KV bloc
 
 import asyncio
 import functools
+import json
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +81,71 @@ METRICS_TIMEOUT_S = 5.0
 _END = object()  # marks the end of one choice's stream inside `_merge`
 
 
+class DirectRoutes:
+    """ASGI middleware for POST /v1/completions and /v1/chat/completions (the module docstring
+    says why). Runs after the API key and body size checks; the ingress replica puts itself in
+    `app.state.ingress`."""
+
+    ROUTES = {
+        "/v1/completions": (CompletionRequest, "completions"),
+        "/v1/chat/completions": (ChatCompletionRequest, "chat_completions"),
+    }
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        route = self._route(scope)
+        ingress = getattr(getattr(scope.get("app"), "state", None), "ingress", None)
+        if route is None or ingress is None:
+            return await self.app(scope, receive, send)
+        model, method = route
+        messages = []
+        while True:  # the whole body (BodySizeLimit has bounded it)
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        request = _parse_body(model, b"".join(m.get("body", b"") for m in messages))
+        if request is None:  # FastAPI answers it, with the error it words for every route
+
+            async def replay():
+                return messages.pop(0) if messages else await receive()
+
+            return await self.app(scope, replay, send)
+        response = await getattr(ingress, method)(request)
+        if not isinstance(response, Response):  # a pydantic model, as FastAPI would encode it
+            response = Response(response.model_dump_json(), media_type="application/json")
+        await response(scope, receive, send)
+
+    def _route(self, scope):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return None
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if path.startswith(root):  # under a Serve route prefix, the path after it
+            path = path[len(root) :]
+        route = self.ROUTES.get(path)
+        if route is None:
+            return None
+        headers = dict(scope.get("headers") or [])
+        if not headers.get(b"content-type", b"").startswith(b"application/json"):
+            return None  # FastAPI's content-type rules decide
+        return route
+
+
+def _parse_body(model, body: bytes):
+    """`model` from a JSON object body as FastAPI reads it (json.loads, then the model's
+    validation of the object); None when it is not one."""
+    try:
+        data = json.loads(body)
+        if not isinstance(data, dict):
+            return None
+        return model.model_validate(data)
+    except ValueError:  # a JSON error, or pydantic's ValidationError (a ValueError)
+        return None
+
+
+app.add_middleware(DirectRoutes)  # innermost: after the key and size checks
 app.add_middleware(BodySizeLimit)
 app.add_middleware(ApiKeyCheck)  # added last, so it runs first: no key, no body read
 
@@ -217,6 +291,7 @@ class OpenAIIngress:
         self._model_server = model_server
         self._metrics_hub = metrics_hub  # deploy.metrics.MetricsHub: every engine replica
         app.state.api_key = api_key_from(api_key)
+        app.state.ingress = self  # DirectRoutes calls the completion routes' methods
         self._stream_server = model_server.options(stream=True)
         self._limits = limits or IngressLimits()
         app.state.max_body_bytes = self._limits.max_request_body_bytes

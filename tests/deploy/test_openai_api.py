@@ -380,3 +380,123 @@ def test_max_tokens_that_fill_the_context_exactly_are_accepted():
 def _null_max_tokens(prompt: list[int]) -> CompletionRequest:
     """A request whose JSON carries "max_tokens": null, as clients may send."""
     return CompletionRequest.model_validate({"model": "m", "prompt": prompt, "max_tokens": None})
+
+
+def _post_json(serve_url: str, path: str, body: dict, content_type: str) -> httpx.Response:
+    import json
+
+    return httpx.post(
+        f"{serve_url}{path}",
+        content=json.dumps(body),
+        headers={"content-type": content_type},
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "n": 2}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "logprobs": True}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "stream": True}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}),  # the route's own 400
+    ],
+)
+def test_the_direct_route_answers_as_fastapis_route(serve_url, served_model, path, body):
+    """`application/json` takes DirectRoutes; `application/vnd.test+json`, which FastAPI also
+    reads as JSON, takes FastAPI's route: the same request answers the same (ids aside)."""
+    import json
+
+    body = {"model": served_model["id"], "temperature": 0.0, **body}
+    direct = _post_json(serve_url, path, body, "application/json")
+    routed = _post_json(serve_url, path, body, "application/vnd.test+json")
+    assert direct.status_code == routed.status_code
+    assert direct.headers["content-type"] == routed.headers["content-type"]
+
+    def without_ids(text: str):
+        events = [e for e in text.split("\n\n") if e] if body.get("stream") else [text]
+        out = []
+        for event in events:
+            payload = event.removeprefix("data: ")
+            if payload == "[DONE]":
+                out.append(payload)
+                continue
+            data = json.loads(payload)
+            if isinstance(data, dict):
+                data.pop("id", None)
+                data.pop("created", None)
+            out.append(data)
+        return out
+
+    assert without_ids(direct.text) == without_ids(routed.text)
+    if direct.status_code == 200 and not body.get("stream"):
+        assert direct.json()["choices"]
+
+
+def test_only_well_formed_json_objects_take_the_direct_route():
+    """DirectRoutes calls the ingress's method for a valid body with `application/json` and
+    leaves everything else to FastAPI (which words the errors)."""
+    import asyncio
+    import json
+
+    from deploy.ingress import DirectRoutes
+    from deploy.openai_protocol import CompletionResponse
+
+    class Ingress:
+        def __init__(self):
+            self.calls = []
+
+        async def completions(self, request):
+            self.calls.append(request)
+            return CompletionResponse(id="cmpl-1", model=request.model, choices=[])
+
+    class App:
+        def __init__(self):
+            self.state = type("State", (), {"ingress": Ingress()})()
+            self.fell_through = []
+
+        async def __call__(self, scope, receive, send):
+            self.fell_through.append((await receive())["body"])
+            await send({"type": "http.response.start", "status": 400, "headers": []})
+            await send({"type": "http.response.body", "body": b"fastapi"})
+
+    def call(body: bytes, content_type: bytes = b"application/json", path="/v1/completions"):
+        app = App()
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": path,
+            "root_path": "",
+            "headers": [(b"content-type", content_type)],
+            "app": app,
+        }
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(DirectRoutes(app)(scope, receive, send))
+        return app, sent
+
+    good = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}).encode()
+    app, sent = call(good)
+    assert [r.max_tokens for r in app.state.ingress.calls] == [3] and not app.fell_through
+    assert sent[0]["status"] == 200
+    assert json.loads(sent[1]["body"])["model"] == "m"
+    for body, content_type, path in [
+        (b"{not json", b"application/json", "/v1/completions"),
+        (b"[1, 2]", b"application/json", "/v1/completions"),
+        (
+            json.dumps({"model": "m", "prompt": "hi", "max_tokens": -1}).encode(),
+            b"application/json",
+            "/v1/completions",
+        ),
+        (good, b"text/plain", "/v1/completions"),
+        (good, b"application/json", "/v1/embeddings"),
+    ]:
+        app, sent = call(body, content_type, path)
+        assert not app.state.ingress.calls
+        assert app.fell_through == [body] and sent[-1]["body"] == b"fastapi"
