@@ -127,8 +127,8 @@ class DirectRoutes:
         route = self.ROUTES.get(path)
         if route is None:
             return None
-        headers = dict(scope.get("headers") or [])
-        if not headers.get(b"content-type", b"").startswith(b"application/json"):
+        content_type = dict(scope.get("headers") or []).get(b"content-type", b"")
+        if content_type.split(b";", 1)[0].strip().lower() != b"application/json":
             return None  # FastAPI's content-type rules decide
         return route
 
@@ -141,7 +141,7 @@ def _parse_body(model, body: bytes):
         if not isinstance(data, dict):
             return None
         return model.model_validate(data)
-    except ValueError:  # a JSON error, or pydantic's ValidationError (a ValueError)
+    except Exception:  # noqa: BLE001 - bad JSON, too deep, invalid: FastAPI's route says which
         return None
 
 

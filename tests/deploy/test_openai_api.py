@@ -486,6 +486,8 @@ def test_only_well_formed_json_objects_take_the_direct_route():
     assert [r.max_tokens for r in app.state.ingress.calls] == [3] and not app.fell_through
     assert sent[0]["status"] == 200
     assert json.loads(sent[1]["body"])["model"] == "m"
+    app, _ = call(good, b"Application/JSON; charset=utf-8")
+    assert len(app.state.ingress.calls) == 1 and not app.fell_through
     for body, content_type, path in [
         (b"{not json", b"application/json", "/v1/completions"),
         (b"[1, 2]", b"application/json", "/v1/completions"),
@@ -495,6 +497,8 @@ def test_only_well_formed_json_objects_take_the_direct_route():
             "/v1/completions",
         ),
         (good, b"text/plain", "/v1/completions"),
+        (good, b"application/jsonx", "/v1/completions"),
+        (b"[" * 100_000 + b"]" * 100_000, b"application/json", "/v1/completions"),
         (good, b"application/json", "/v1/embeddings"),
     ]:
         app, sent = call(body, content_type, path)
