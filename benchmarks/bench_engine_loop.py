@@ -1,13 +1,16 @@
 """The step loop's own cost, without a model: offline, on a thread, in a process of its own; and
 what a step's deltas cost to pickle in each form.
 
-    python benchmarks/bench_engine_loop.py [--tokens 3000] [--repeat 2]
+    python benchmarks/bench_engine_loop.py [--tokens 3000] [--repeat 2] [--concurrency 1,8,32,64]
 
 Part 1: one greedy request of `--tokens` tokens on the model-less executor of
 `benchmarks/null_executor.py` with NULL_STEP_S=0 (a step returns at once), so what is timed per
 step is the loop: `LLMEngine.step()` driven here (offline), `AsyncEngine` with the loop on a
 thread, and with the loop in its own process (`cluster/engine_process.py`), streamed and not.
-Part 2: pickling and unpickling 128 outputs of one step as RequestOutputs, as plain delta tuples
+Part 2: the offline engine's host work per decode step with `--concurrency` requests decoding
+at once (the scheduler, the detokenizer, the outputs: what a step costs the host besides the
+model, not overlapped with the device), per step and per request. Part 3: pickling and
+unpickling 128 outputs of one step as RequestOutputs, as plain delta tuples
 (`cluster.outputs.make_request_delta`'s form) and as a NamedTuple of the same fields.
 """
 
@@ -27,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 NULL_EXECUTOR = "benchmarks.null_executor:NullExecutor"
 
 
-def _config(num_tokens: int):
+def _config(num_tokens: int, max_num_seqs: int = 64):
     from cluster.config import EngineConfig
     from workers.default_model import tiny_model_path
 
@@ -37,6 +40,7 @@ def _config(num_tokens: int):
         num_draft_tokens=0,
         executor=NULL_EXECUTOR,
         max_model_len=num_tokens + 64,
+        max_num_seqs=max_num_seqs,
     )
 
 
@@ -67,6 +71,25 @@ def loop_us_per_step(num_tokens: int, mode: str, stream: bool) -> float:
         return elapsed
 
     return asyncio.run(run()) / num_tokens * 1e6
+
+
+def host_us_per_step(concurrency: int, num_steps: int = 1000) -> float:
+    """The offline engine's step with `concurrency` requests decoding (32-token prompts)."""
+    from cluster.engine import LLMEngine
+    from cluster.sampling_params import SamplingParams
+
+    engine = LLMEngine(_config(num_steps + 100, max(64, concurrency)))
+    params = SamplingParams(max_tokens=num_steps + 50, temperature=0.0, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(list(range(5, 37)), params, f"r{i}")
+    for _ in range(20):  # the prefills, and then decodes only
+        engine.step()
+    started = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    elapsed = time.perf_counter() - started
+    engine.shutdown()
+    return elapsed / num_steps * 1e6
 
 
 class _DeltaTuple(NamedTuple):
@@ -126,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--concurrency", default="1,8,32,64", help="part 2's levels")
     args = ap.parse_args(argv)
     os.environ["NULL_STEP_S"] = "0"
     print("| loop | streamed | us per step |\n|---|---|---|")
@@ -135,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             for stream in (True, False):
                 us = loop_us_per_step(args.tokens, mode, stream)
                 print(f"| {mode} | {'yes' if stream else 'no'} | {us:.1f} |", flush=True)
+    print("\n| decoding | host us per step | per request |\n|---|---|---|")
+    for _ in range(args.repeat):
+        for c in (int(level) for level in args.concurrency.split(",")):
+            us = host_us_per_step(c)
+            print(f"| {c} | {us:.1f} | {us / c:.2f} |", flush=True)
     print("\n| 128 outputs as | pickle us | unpickle us | bytes |\n|---|---|---|---|")
     for name, dumps, loads, size in wire_us():
         print(f"| {name} | {dumps:.1f} | {loads:.1f} | {size} |")
