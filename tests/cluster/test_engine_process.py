@@ -176,3 +176,26 @@ def test_the_engine_process_ends_when_its_caller_is_killed(tiny_model_dir):
         pytest.fail(f"engine process {engine_pid} outlived its caller")
     finally:
         caller.kill()
+
+
+def test_readable_says_when_a_message_or_the_peers_end_waits():
+    """The engine process's check for commands: nothing yet, a message, then the caller gone
+    (the step loop must then read EOF and end, not spin)."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from cluster.engine_process import _Readable
+
+    mine, theirs = socket.socketpair()
+    conn, peer = Connection(mine.detach()), Connection(theirs.detach())
+    readable = _Readable(conn)
+    assert not readable(0.0)
+    assert not readable(0.01)  # waits, then says no
+    peer.send(("command", 1))
+    assert readable(0.0) and conn.recv() == ("command", 1)
+    assert not readable(0.0)
+    peer.close()
+    assert readable(0.0)
+    with pytest.raises(EOFError):
+        conn.recv()
+    conn.close()
