@@ -115,7 +115,8 @@ class DirectRoutes:
             return await self.app(scope, replay, send)
         response = await getattr(ingress, method)(request)
         if not isinstance(response, Response):  # a pydantic model, as FastAPI would encode it
-            response = Response(response.model_dump_json(), media_type="application/json")
+            body = response.model_dump_json(by_alias=True)
+            response = Response(body, media_type="application/json")
         await response(scope, receive, send)
 
     def _route(self, scope):
