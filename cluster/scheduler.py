@@ -245,6 +245,8 @@ class Scheduler:
 
     def _max_drafts(self, request: Request) -> int:
         # A verify with k drafts can gain k + 1 tokens; more drafts than that are wasted work.
+        if self.config.num_draft_tokens == 0:  # MTP off: twice per request per step, so cheaply
+            return 0
         return max(0, min(self.config.num_draft_tokens, self._max_new_tokens(request) - 1))
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
