@@ -22,7 +22,7 @@ class NullExecutor(Executor):
         self.step_s = float(os.environ.get("NULL_STEP_S", "0.001"))
 
     def execute(self, step: StepInput) -> StepOutput:
-        if step.seqs and self.step_s > 0:  # sleep(0) still yields the CPU: ~75 us on a VM
+        if step.seqs and self.step_s > 0:  # sleep(0) would still yield the CPU
             time.sleep(self.step_s)
         return StepOutput(
             [SeqResult(seq.request_id, [TOKEN_ID] if seq.samples else []) for seq in step.seqs]
