@@ -203,7 +203,8 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         self.counters.num_steps += 1
-        self.counters.num_prefill_steps += any(s.is_prefill for s in scheduled.scheduled)
+        # Decodes come first, then prefills (SchedulerOutput): the last says whether any is one.
+        self.counters.num_prefill_steps += scheduled.scheduled[-1].is_prefill
         step_input = self._step_input(scheduled)
         results, failures = self._execute_isolating(step_input)
         changed = self.scheduler.update(scheduled, results)

@@ -26,6 +26,12 @@ def api_key_from(explicit: str | None) -> str | None:
     return explicit or os.environ.get(API_KEY_ENV) or None
 
 
+def app_path(scope) -> str:
+    """The request's path within the app: under a Serve route prefix, the part after it."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if path.startswith(root) else path
+
+
 class ApiKeyCheck:
     """ASGI middleware; the key is read from `app.state.api_key` (None: no key required)."""
 
@@ -33,10 +39,7 @@ class ApiKeyCheck:
         self.app = asgi_app
 
     async def __call__(self, scope, receive, send):
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if path.startswith(root):  # under a Serve route prefix, the path after it
-            path = path[len(root) :]
-        if scope["type"] != "http" or path in OPEN_PATHS:
+        if scope["type"] != "http" or app_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         key = getattr(getattr(scope.get("app"), "state", None), "api_key", None)
         if key is None:

@@ -48,7 +48,7 @@ from transformers import AutoTokenizer
 
 from cluster.sampling_params import InvalidRequestError
 from deploy import openai_serving as serving
-from deploy.auth import ApiKeyCheck, api_key_from
+from deploy.auth import ApiKeyCheck, api_key_from, app_path
 from deploy.limits import BodySizeLimit, IngressLimits, max_chars_per_token
 from deploy.messages import GenerateChunk, GenerateFailure, GenerateRequest, ModelInfo
 from deploy.openai_protocol import (
@@ -122,10 +122,7 @@ class DirectRoutes:
     def _route(self, scope):
         if scope["type"] != "http" or scope.get("method") != "POST":
             return None
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if path.startswith(root):  # under a Serve route prefix, the path after it
-            path = path[len(root) :]
-        route = self.ROUTES.get(path)
+        route = self.ROUTES.get(app_path(scope))
         if route is None:
             return None
         content_type = dict(scope.get("headers") or []).get(b"content-type", b"")

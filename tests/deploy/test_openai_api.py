@@ -481,6 +481,14 @@ def test_only_well_formed_json_objects_take_the_direct_route():
         asyncio.run(DirectRoutes(app)(scope, receive, send))
         return app, sent
 
+    # In the served app it runs after the key and size checks, before FastAPI's routing.
+    from deploy.auth import ApiKeyCheck
+    from deploy.ingress import app as served_app
+    from deploy.limits import BodySizeLimit
+
+    order = [m.cls for m in served_app.user_middleware]
+    assert order == [ApiKeyCheck, BodySizeLimit, DirectRoutes]
+
     good = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}).encode()
     app, sent = call(good)
     assert [r.max_tokens for r in app.state.ingress.calls] == [3] and not app.fell_through
