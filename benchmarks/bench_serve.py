@@ -34,10 +34,12 @@ A third table sets the clients' mean TTFT and latency per request beside the rep
 (from its /metrics histograms over the level: from the handler's call into the engine to the
 first token and to the end), so what HTTP, Serve and the handler add shows apart from the
 engine. A fourth counts the engine's steps over each level (`EngineStats.num_steps`), those that
-carried a prompt, and output tokens per step: a request's time outside the engine (HTTP, Serve,
-the handler, between one request's end and its client's next) shows as steps run with fewer
-requests than the offline engine's. The last line says whether every prompt's text was the same
-on every path (greedy).
+carried a prompt, output tokens per step, a step's mean time and the share of the level the
+engine spent inside steps (`EngineStats.step_time_s`): a request's time outside the engine
+(HTTP, Serve, the handler, between one request's end and its client's next) shows as steps run
+with fewer requests than the offline engine's, or as time the engine had no step to run; work
+that slows the engine's own process shows as longer steps. The last line says whether every
+prompt's text was the same on every path (greedy).
 The clients run in a process of their own (`--no-client-process`: in this one) with `aiohttp`
 (Ray's own dependency), else `httpx`.
 """
@@ -93,9 +95,11 @@ class LevelResult:
     # handler's call into the engine to the first token, and to the request's end
     replica_ttft_mean_s: float | None = None
     replica_e2e_mean_s: float | None = None
-    # The engine's steps over the level, and those that carried a prompt (None: not read)
+    # The engine's steps over the level, those that carried a prompt, and the wall time inside
+    # them (None: not read)
     num_steps: int | None = None
     num_prefill_steps: int | None = None
+    step_time_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -135,6 +139,7 @@ class LevelResult:
             "replica_e2e_mean_s": self.replica_e2e_mean_s,
             "num_steps": self.num_steps,
             "num_prefill_steps": self.num_prefill_steps,
+            "step_time_s": self.step_time_s,
             "first_errors": self.first_errors,
             "slowest_step_s": self.slowest_step_s,
             "slowest_step_outputs": self.slowest_step_outputs,
@@ -475,33 +480,47 @@ def where_time_goes_table(rows: list[dict]) -> str:
 
 
 def steps_table(rows: list[dict]) -> str:
-    """The engine's steps per level: how many, how many carried a prompt, tokens per step."""
+    """The engine's steps per level: how many, how many carried a prompt, tokens per step, a
+    step's mean time, and the share of the level's wall time spent inside steps."""
     lines = [
-        "| path | concurrency | pass | steps | with a prompt | output tokens per step |",
-        "|---|---|---|---|---|---|",
+        "| path | concurrency | pass | steps | with a prompt | output tokens per step "
+        "| mean step (ms) | engine busy |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         steps, prefills = r.get("num_steps"), r.get("num_prefill_steps")
         if not steps:
             continue
+        step_time_s, wall_s = r.get("step_time_s"), r.get("wall_s")
+        mean_step = f"{step_time_s / steps * 1e3:.2f}" if step_time_s is not None else "-"
+        busy = f"{step_time_s / wall_s:.0%}" if step_time_s is not None and wall_s else "-"
         lines.append(
             f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} | {steps} "
-            f"| {prefills} ({prefills / steps:.0%}) | {r['num_output_tokens'] / steps:.1f} |"
+            f"| {prefills} ({prefills / steps:.0%}) | {r['num_output_tokens'] / steps:.1f} "
+            f"| {mean_step} | {busy} |"
         )
     return "Engine steps:\n" + "\n".join(lines)
 
 
-def step_counts(stats: dict | None) -> tuple[int, int] | None:
-    """(num_steps, num_prefill_steps) of an engine's stats (`EngineStats` as a dict)."""
+def step_counts(stats: dict | None) -> tuple[int, int, float | None] | None:
+    """(num_steps, num_prefill_steps, step_time_s) of an engine's stats (`EngineStats` as a
+    dict; step_time_s None from a server that does not count it)."""
     if not stats or "num_steps" not in stats:
         return None
-    return int(stats["num_steps"]), int(stats["num_prefill_steps"])
+    step_time_s = stats.get("step_time_s")
+    return (
+        int(stats["num_steps"]),
+        int(stats["num_prefill_steps"]),
+        None if step_time_s is None else float(step_time_s),
+    )
 
 
 def steps_between(before, after, row: LevelResult) -> None:
     if before is not None and after is not None:
         row.num_steps = after[0] - before[0]
         row.num_prefill_steps = after[1] - before[1]
+        if before[2] is not None and after[2] is not None:
+            row.step_time_s = after[2] - before[2]
 
 
 def served_step_counts(url: str) -> tuple[int, int] | None:

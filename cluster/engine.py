@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 from cluster.block_manager import BlockManager
@@ -52,6 +53,9 @@ class EngineStats:
     num_draft_tokens: int = 0  # the k the engine runs with; 0: MTP off
     num_steps: int = 0  # steps that ran
     num_prefill_steps: int = 0  # of them, steps that carried a prompt (a chunk of one)
+    # Wall time inside those steps (schedule, execute, update, outputs). Over an interval,
+    # its growth / the interval is how busy the engine was; / the steps, a step's mean time.
+    step_time_s: float = 0.0
     spec: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
 
     @property
@@ -197,6 +201,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update. A request that fails inside the step fails alone (its
         output has finish_reason "error"); WorkerError only when the workers themselves failed."""
+        started_s = time.perf_counter()
         scheduled = self.scheduler.schedule()
         # Told to the workers with the next step that runs (this one may schedule nothing).
         self._preempted_ids += scheduled.preempted_ids
@@ -213,6 +218,7 @@ class LLMEngine:
             if request.is_finished:
                 self._finished_ids.append(request.request_id)
             outputs.append(self._output(request))
+        self.counters.step_time_s += time.perf_counter() - started_s
         return outputs
 
     def _output(self, request: Request) -> RequestOutput | tuple:
@@ -339,6 +345,7 @@ class LLMEngine:
             num_draft_tokens=self.num_draft_tokens,
             num_steps=self.counters.num_steps,
             num_prefill_steps=self.counters.num_prefill_steps,
+            step_time_s=self.counters.step_time_s,
             spec=spec,
         )
 

@@ -118,6 +118,7 @@ class EngineCounters:
     num_finished: dict[str, int] = field(default_factory=dict)  # requests by finish_reason
     num_steps: int = 0  # steps that ran
     num_prefill_steps: int = 0  # of them, steps that carried a prompt (a chunk of one)
+    step_time_s: float = 0.0  # wall time inside those steps: schedule, execute, outputs
 
     def observe(self, out: RequestOutput) -> None:
         first = bool(out.new_token_ids) and len(out.token_ids) == len(out.new_token_ids)

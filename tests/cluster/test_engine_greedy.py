@@ -175,18 +175,26 @@ def test_chunked_prefill_gives_the_mtp_layer_every_position():
 
 def test_stats_count_steps_and_those_that_carry_a_prompt(tiny_model_dir):
     """a prefills alone, b's prompt rides with a's first decode, then two decode steps: four
-    steps, two with a prompt."""
+    steps, two with a prompt. The time inside steps counts the steps, not the time between
+    them, nor a call with nothing to run."""
+    import time
+
     from cluster.config import EngineConfig
     from cluster.engine import LLMEngine
 
     engine = LLMEngine(
         EngineConfig(model=tiny_model_dir, num_draft_tokens=0, dtype="float32", device="cpu")
     )
+    started = time.perf_counter()
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), "a")
     engine.step()
+    time.sleep(0.3)  # the engine idles between steps
     engine.add_request([8, 9, 10, 11, 12], SamplingParams(max_tokens=2, ignore_eos=True), "b")
     while engine.has_unfinished:
         engine.step()
+    wall_s = time.perf_counter() - started
+    assert engine.step() == []  # nothing to run: not a step
     stats = engine.stats()
     assert (stats.num_steps, stats.num_prefill_steps) == (4, 2)
+    assert 0.0 < stats.step_time_s <= wall_s - 0.3
     engine.shutdown()
