@@ -40,8 +40,12 @@ engine spent inside steps (`EngineStats.step_time_s`): a request's time outside 
 with fewer requests than the offline engine's, or as time the engine had no step to run; work
 that slows the engine's own process shows as longer steps. The last line says whether every
 prompt's text was the same on every path (greedy).
-The clients run in a process of their own (`--no-client-process`: in this one) with `aiohttp`
-(Ray's own dependency), else `httpx`.
+The clients run in processes of their own (`--no-client-process`: in this one) with `aiohttp`
+(Ray's own dependency), else `httpx`: `--client-processes` of them (default: half the machine's
+cores, at most 8; one on a 2-core box), each with its share of a level's clients and requests, so
+that the clients' own event loops do not hold the server back (a client process spends ~0.5-1 ms
+of CPU per request; when requests of one length end together, 128 of them in one process wait
+~70 ms for it).
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class LevelResult:
     num_errors: int = 0
     num_output_tokens: int = 0
     wall_s: float = 0.0
+    started_s: float = 0.0  # time.perf_counter() at the level's start (one clock for a host)
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
@@ -390,15 +395,17 @@ async def run_http(
     num_requests: int,
     max_tokens,
     warm_client: bool = False,
+    first_index: int = 0,
 ) -> LevelResult:
     """`warm_client`: one GET /v1/models first, untimed, so that the client's own first use (its
-    connection, its library's first request) is not counted against the server."""
+    connection, its library's first request) is not counted against the server. Requests are
+    numbered from `first_index` (request i sends prompt i mod len(prompts))."""
     one = one_streamed if path == "stream" else one_full
     result = LevelResult(path, concurrency)
     http = client_cls(url, concurrency)
     if warm_client:
         await http.get_json("/v1/models")
-    next_index = iter(range(num_requests))
+    next_index = iter(range(first_index, first_index + num_requests))
 
     async def client() -> None:
         for index in next_index:
@@ -421,7 +428,7 @@ async def run_http(
             result.latency_s.append(latency_s)
             result.record_text(prompt_index, text)
 
-    started = time.perf_counter()
+    started = result.started_s = time.perf_counter()
     try:
         await asyncio.gather(*(client() for _ in range(concurrency)))
     finally:
@@ -610,7 +617,14 @@ def main(argv: list[str] | None = None) -> int:
         "--client-process",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="run the HTTP clients in a process of their own (default), not in the bench's",
+        help="run the HTTP clients in processes of their own (default), not in the bench's",
+    )
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="how many client processes share a level's clients (default: half the cores, "
+        "at most 8)",
     )
     ap.add_argument("--url", default=None, help="a server already serving the model (no deploy)")
     ap.add_argument("--actor-num-cpus", type=float, default=0.25)
@@ -693,14 +707,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[LevelResult] = []
     first_ms: list[float] = []
     engine = server = None
-    pool = _client_pool(args) if http_paths else None
+    pools = _client_pools(args) if http_paths else []
     try:
         if "offline" in paths:
             engine = _offline_engine(model, engine_options, prompts, levels, args)
         if interleave:  # both up at once; per level: offline, then each HTTP path
             if http_paths:
                 server, first_ms = _serve(
-                    engine_options, prompts, levels, http_paths, args, deploy, port, direct, pool
+                    engine_options, prompts, levels, http_paths, args, deploy, port, direct, pools
                 )
             for repeat in range(args.repeat):
                 for c in levels:
@@ -715,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine = None
             if http_paths:
                 server, first_ms = _serve(
-                    engine_options, prompts, levels, http_paths, args, deploy, port, direct, pool
+                    engine_options, prompts, levels, http_paths, args, deploy, port, direct, pools
                 )
             for repeat in range(args.repeat):
                 for p in http_paths:
@@ -723,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if engine is not None:
             _close_engine(engine)
-        if pool is not None:
+        for pool in pools:
             pool.shutdown()
         if args.url is None:
             shutdown()
@@ -796,25 +810,65 @@ def _run_http_sync(*args, **kwargs) -> LevelResult:
     return asyncio.run(run_http(*args, **kwargs))
 
 
+def client_shares(concurrency: int, num_requests: int, num_processes: int) -> list[tuple]:
+    """A level spread over client processes: (clients, requests, first request index) for each
+    process that gets a client. Clients as even as they go; requests in proportion to clients,
+    each process its own run of request indices, so every request is sent once."""
+    k = max(1, min(num_processes, concurrency))
+    shares, clients_before = [], 0
+    for i in range(k):
+        clients = concurrency // k + (i < concurrency % k)
+        first = num_requests * clients_before // concurrency
+        clients_before += clients
+        shares.append((clients, num_requests * clients_before // concurrency - first, first))
+    return shares
+
+
+def merge_levels(parts: list[LevelResult]) -> LevelResult:
+    """One level's result from its client processes' results: counts summed, samples pooled,
+    texts compared across processes, the wall time from the first start to the last end."""
+    merged = LevelResult(parts[0].path, sum(p.concurrency for p in parts))
+    for p in parts:
+        merged.num_requests += p.num_requests
+        merged.num_errors += p.num_errors
+        merged.num_output_tokens += p.num_output_tokens
+        merged.ttft_s += p.ttft_s
+        merged.itl_s += p.itl_s
+        merged.latency_s += p.latency_s
+        merged.first_errors = (merged.first_errors + p.first_errors)[:3]
+        merged.mismatched_prompts |= p.mismatched_prompts
+        for index, text in p.texts.items():
+            merged.record_text(index, text)
+    merged.started_s = min(p.started_s for p in parts)
+    merged.wall_s = max(p.started_s + p.wall_s for p in parts) - merged.started_s
+    return merged
+
+
 @dataclass
 class _Server:
-    """Where the HTTP clients run: `pool`, a process of their own (None: this process)."""
+    """Where the HTTP clients run: `pools`, processes of their own, one pool each (empty: this
+    process)."""
 
     client_cls: type
     url: str
     model: str
-    pool: object = None
-    client_pid: int | None = None  # the clients' process (None: this one)
+    pools: list = field(default_factory=list)
+    client_pids: list[int] = field(default_factory=list)  # the clients' processes
 
     def __post_init__(self):
-        if self.pool is not None:
-            self.client_pid = self.pool.submit(os.getpid).result()
+        self.client_pids = [pool.submit(os.getpid).result() for pool in self.pools]
 
     def run(self, prompts, path, concurrency, num_requests, max_tokens, **kwargs) -> LevelResult:
-        call = (self.client_cls, self.url, self.model, prompts, path, concurrency, num_requests)
-        if self.pool is None:
-            return _run_http_sync(*call, max_tokens, **kwargs)
-        return self.pool.submit(_run_http_sync, *call, max_tokens, **kwargs).result()
+        call = (self.client_cls, self.url, self.model, prompts, path)
+        if not self.pools:
+            return _run_http_sync(*call, concurrency, num_requests, max_tokens, **kwargs)
+        futures = [
+            pool.submit(_run_http_sync, *call, c, n, max_tokens, first_index=first, **kwargs)
+            for pool, (c, n, first) in zip(
+                self.pools, client_shares(concurrency, num_requests, len(self.pools))
+            )
+        ]
+        return merge_levels([f.result() for f in futures])
 
 
 def _app_args(args, engine_options):
@@ -846,14 +900,14 @@ def _app_args(args, engine_options):
     )
 
 
-def _serve(engine_options, prompts, levels, paths, args, deploy, port, direct, pool):
+def _serve(engine_options, prompts, levels, paths, args, deploy, port, direct, pools):
     """Deploy (unless --url), time the ten first requests, warm each path up:
     -> (_Server, first request latencies in ms)."""
     if args.url is None:
         url = deploy(_app_args(args, engine_options), "127.0.0.1", port, direct=direct)
     else:
         url = args.url.rstrip("/").removesuffix("/v1")
-    server = _Server(client_class(args.client), url, _served_model(url), pool)
+    server = _Server(client_class(args.client), url, _served_model(url), pools)
     # The first requests after the server said it was ready, one at a time, before any warm-up
     # of the server's completion path (the client's connection is made first, untimed):
     # compilation or graph capture left for them shows as a slow first one.
@@ -871,24 +925,35 @@ def _serve(engine_options, prompts, levels, paths, args, deploy, port, direct, p
     return server, first_ms
 
 
-def _client_pool(args):
-    """The clients' own process (None: --no-client-process). Clients sharing the bench's process
-    share its interpreter with what the offline run left: on the H200 their event loop lagged
-    60-80 ms at every turn at 128 concurrent, and the server's figures carried it. A user's
-    clients are processes of their own too."""
+def num_client_processes(requested: int | None, num_cpus: int | None) -> int:
+    """`--client-processes`, or by default half the machine's cores, at most 8 (one on 2)."""
+    if requested is not None:
+        return max(1, requested)
+    return max(1, min(8, (num_cpus or 1) // 2))
+
+
+def _client_pools(args) -> list:
+    """The clients' own processes (none: --no-client-process). Clients sharing the bench's
+    process share its interpreter with what the offline run left: on the H200 their event loop
+    lagged 60-80 ms at every turn at 128 concurrent, and the server's figures carried it. A
+    user's clients are processes of their own too, and more than one."""
     if not args.client_process:
-        return None
+        return []
     import concurrent.futures
     import multiprocessing
 
-    return concurrent.futures.ProcessPoolExecutor(1, multiprocessing.get_context("spawn"))
+    context = multiprocessing.get_context("spawn")
+    return [
+        concurrent.futures.ProcessPoolExecutor(1, context)
+        for _ in range(num_client_processes(args.client_processes, os.cpu_count()))
+    ]
 
 
 def _http_level(server: _Server, prompts, path: str, c: int, repeat: int, args) -> LevelResult:
     n = num_requests_for(c, args.rounds, args.min_requests)
     named = {os.getpid(): "bench"}
-    if server.client_pid is not None:
-        named[server.client_pid] = "clients"
+    for pid in server.client_pids:
+        named[pid] = "clients"
     histograms = replica_histograms(server.url)
     steps_before = served_step_counts(server.url)
     before = process_cpu_s(named)

@@ -359,3 +359,47 @@ def test_bench_serve_counts_a_levels_engine_steps_from_the_engine_stats():
     bench.steps_between(before, bench.step_counts(older), row := bench.LevelResult("full", 1))
     assert (row.num_steps, row.step_time_s) == (20, None)
     assert bench.step_counts({"num_running": 1}) is None  # an older server: no counts
+
+
+def test_bench_serve_spreads_a_level_over_client_processes_and_merges_it_back():
+    """Every request index is sent once across the processes, clients as even as they go, and
+    the merged level counts every process's requests over the wall time from the first start
+    to the last end; a prompt given two texts by two processes is caught."""
+    bench = _bench_serve()
+    for concurrency, num_requests, processes in [
+        (128, 1280, 8),
+        (32, 320, 3),
+        (8, 80, 8),
+        (1, 10, 8),
+        (5, 7, 2),
+        (3, 8, 5),
+    ]:
+        shares = bench.client_shares(concurrency, num_requests, processes)
+        assert len(shares) == min(processes, concurrency)
+        assert sum(c for c, _, _ in shares) == concurrency
+        assert max(c for c, _, _ in shares) - min(c for c, _, _ in shares) <= 1
+        indices = [i for _, n, first in shares for i in range(first, first + n)]
+        assert indices == list(range(num_requests))
+    assert bench.client_shares(32, 320, 3) == [(11, 110, 0), (11, 110, 110), (10, 100, 220)]
+    assert bench.num_client_processes(None, 2) == 1
+    assert bench.num_client_processes(None, 16) == 8
+    assert bench.num_client_processes(None, 64) == 8
+    assert bench.num_client_processes(3, 64) == 3
+
+    a = bench.LevelResult("stream", 2, num_requests=4, num_output_tokens=40, wall_s=2.0)
+    a.started_s, a.ttft_s, a.latency_s = 10.0, [0.1, 0.2], [1.0, 1.0, 1.0, 1.0]
+    a.record_text(0, "x")
+    a.record_error("HTTP 500: one")
+    b = bench.LevelResult("stream", 1, num_requests=2, num_output_tokens=20, wall_s=2.5)
+    b.started_s, b.ttft_s, b.latency_s = 10.5, [0.3], [1.5, 1.5]
+    b.record_text(1, "y")
+    merged = bench.merge_levels([a, b])
+    assert (merged.concurrency, merged.num_requests, merged.num_output_tokens) == (3, 6, 60)
+    assert (merged.started_s, merged.wall_s) == (10.0, 3.0)  # 10.0 .. 13.0
+    assert merged.tokens_per_s == 20.0
+    assert sorted(merged.ttft_s) == [0.1, 0.2, 0.3] and len(merged.latency_s) == 6
+    assert (merged.num_errors, merged.first_errors) == (1, ["HTTP 500: one"])
+    assert merged.texts == {0: "x", 1: "y"} and not merged.mismatched_prompts
+    c = bench.LevelResult("stream", 1, started_s=11.0)
+    c.record_text(0, "z")
+    assert bench.merge_levels([a, c]).mismatched_prompts == {0}
