@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import subprocess
 import sys
@@ -278,6 +279,43 @@ def sweep_sparse_mla(experts, emit) -> None:
     sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS = saved
 
 
+def mla_used_entries_table(emit) -> None:
+    """Sparse MLA with and without each token's position: rows as the indexer makes them (a
+    token at p has min(2048, p + 1) picks, then -1); given positions the kernel reads only the
+    picks. A 2048-token prefill chunk at context 0 and 8192, and decode rows (batch 1 and 32)
+    at context 1024 and 8192."""
+    emit("\nSparse MLA, rows of min(2048, p + 1) picks (graph replays, PDL on; us per call):")
+    emit("| case | tokens | context | every entry | the picks only (positions) | x |")
+    emit("|---|---|---|---|---|---|")
+    with_pdl(True)
+    cases = [("prefill chunk", 2048, 0), ("prefill chunk", 2048, 8192)]
+    cases += [("decode", batch, context) for context in (1024, 8192) for batch in (1, 32)]
+    for name, tokens, context in cases:
+        prefill = name.startswith("prefill")
+        num_seqs = 1 if prefill else tokens
+        length = context + tokens if prefill else context
+        kv_cache, tables = paged(num_seqs, max(BLOCK, -(-length // BLOCK) * BLOCK), KV_LORA + ROPE)
+        if prefill:
+            seq_idx = torch.zeros(tokens, device=CUDA, dtype=torch.int32)
+            positions = torch.arange(context, context + tokens, device=CUDA)
+        else:
+            seq_idx = torch.arange(tokens, device=CUDA, dtype=torch.int32)
+            positions = torch.full((tokens,), context - 1, device=CUDA)
+        ranks = torch.arange(INDEX_TOPK, device=CUDA)[None, :]
+        picks = torch.randint(0, 2**30, (tokens, INDEX_TOPK), device=CUDA) % (
+            positions[:, None] + 1
+        )
+        topk = torch.where(ranks <= positions[:, None], picks, -1).to(torch.int32)
+        q = torch.randn(tokens, NUM_HEADS, KV_LORA, dtype=BF16, device=CUDA)
+        q_rope = torch.randn(tokens, NUM_HEADS, ROPE, dtype=BF16, device=CUDA)
+        args = (q, kv_cache, tables, seq_idx, topk, 192**-0.5, KV_LORA, q_rope)
+        every = graph_time_us(functools.partial(sparse_mla_attention_triton, *args), repeats=4)
+        used = graph_time_us(
+            functools.partial(sparse_mla_attention_triton, *args, positions), repeats=4
+        )
+        emit(f"| {name} | {tokens} | {context} | {every:.1f} | {used:.1f} | {every / used:.2f} |")
+
+
 def select_times_us(batch: int, context: int) -> list[float]:
     """One row of `select_table`: each token at the last position of its own sequence."""
     from kernels.indexer import key_histogram, topk_select_reference, topk_select_triton
@@ -333,6 +371,11 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="git commit (the device copy has no .git)")
     parser.add_argument("--sweep-mla", action="store_true", help="time sparse-MLA tile configs")
     parser.add_argument("--select", action="store_true", help="only the long-context top-k table")
+    parser.add_argument(
+        "--mla-used",
+        action="store_true",
+        help="only sparse MLA with and without positions (the picks only)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     lines = []
@@ -359,6 +402,8 @@ def main() -> None:
     emit(f"measured copy bandwidth (2 GiB D2D, read + write): {copy:.0f} GB/s")
     if args.select:
         select_table(emit)
+    elif args.mla_used:
+        mla_used_entries_table(emit)
     else:
         kernel_tables(args, emit, copy)
     if args.out:

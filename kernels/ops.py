@@ -199,10 +199,19 @@ def sparse_mla_attention(
     softmax_scale: float,
     kv_lora_rank: int,
     q_rope: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     impl = sparse_mla_attention_triton if use_triton(q.device) else sparse_mla_attention_reference
     return impl(
-        q, kv_cache, block_tables, seq_idx, topk_indices, softmax_scale, kv_lora_rank, q_rope
+        q,
+        kv_cache,
+        block_tables,
+        seq_idx,
+        topk_indices,
+        softmax_scale,
+        kv_lora_rank,
+        q_rope,
+        positions,
     )
 
 

@@ -29,6 +29,7 @@ def sparse_mla_attention_reference(
     softmax_scale: float,
     kv_lora_rank: int,
     q_rope: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t, h] = sum_s softmax_s(scale * q[t, h] . c[s]) * c[s, :kv_lora_rank].
 
@@ -38,7 +39,16 @@ def sparse_mla_attention_reference(
     rope_dim] in q's dtype, or FP8 rows [num_blocks, block_size, bytes_per_token]
     (`latent_cache_layout`), topk_indices [T, K] positions within the token's sequence, -1 =
     unused. Returns the latent output [T, H, kv_lora_rank] in q's dtype.
+
+    `positions` [T] (optional), each token's position p: its row's entries past the first
+    min(K, p + 1) are unused whatever they hold. The indexer's rows are made so (a token at p
+    has seen p + 1 positions; its picks come first, then -1), and so is a row shared with a
+    later token; given it, the kernel reads only those entries (a prefill at context 0, or any
+    sequence shorter than K, would otherwise walk K entries to use fewer than half of them).
     """
+    if positions is not None:
+        unused = torch.arange(topk_indices.shape[1], device=topk_indices.device)[None, :]
+        topk_indices = topk_indices.masked_fill(unused > positions[:, None], -1)
     if q_rope is not None:
         q = torch.cat([q, q_rope], -1)
     num_tokens, num_heads, width = q.shape
@@ -84,7 +94,7 @@ _MLA_NUM_WARPS = 8
 # shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
 @triton.jit(
     do_not_specialize=["block_tables_row_stride"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "seq_idx_ptr", "topk_ptr"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_idx_ptr", "topk_ptr", "positions_ptr"],
 )
 def _sparse_mla_split_kernel(
     q_ptr,
@@ -95,6 +105,7 @@ def _sparse_mla_split_kernel(
     block_tables_ptr,
     seq_idx_ptr,
     topk_ptr,
+    positions_ptr,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -126,6 +137,7 @@ def _sparse_mla_split_kernel(
     ROPE_ITEMSIZE: tl.constexpr,
     GROUP: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -162,8 +174,14 @@ def _sparse_mla_split_kernel(
     running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+    if HAS_POSITIONS:  # entries past the first p + 1 are unused: not read, not scored
+        num_used = tl.minimum(tl.load(positions_ptr + token).to(tl.int32) + 1, num_topk)
+    else:
+        num_used = num_topk
     start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, num_topk)
+    # A split wholly past them runs no step and leaves what an all -1 split leaves (max -1e30,
+    # sum 0, acc 0): the output is the same bits as reading them.
+    end = tl.minimum(start + keys_per_split, num_used)
     for k0 in range(start, end, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         picks = tl.load(topk_ptr + token * topk_row_stride + slots, mask=slots < end, other=-1)
@@ -294,6 +312,7 @@ def sparse_mla_attention_triton(
     softmax_scale: float,
     kv_lora_rank: int,
     q_rope: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of `sparse_mla_attention_reference` (split top-k + merge, two launches; one
     when the top-k is not split, as in prefill, whose programs then write the output)."""
@@ -324,6 +343,10 @@ def sparse_mla_attention_triton(
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
     check_tensor("seq_idx", seq_idx, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_tensor("topk_indices", topk_indices, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    if positions is not None:
+        check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=device)
+        if positions.shape[0] != q.shape[0]:
+            raise ValueError("positions needs one entry per token")
     if (not fp8 and kv_cache.shape[-1] != width) or not 0 < kv_lora_rank < width:
         raise ValueError(
             f"q heads {width} wide, cache rows {kv_cache.shape[-1]}, kv_lora_rank {kv_lora_rank}"
@@ -364,6 +387,7 @@ def sparse_mla_attention_triton(
         block_tables,
         seq_idx,
         topk_indices,
+        seq_idx if positions is None else positions,  # not read without positions
         partial_out,
         partial_max,
         partial_sum,
@@ -395,6 +419,7 @@ def sparse_mla_attention_triton(
         ROPE_ITEMSIZE=layout.tail_itemsize,
         GROUP=FP8_CACHE_GROUP,
         DIRECT_OUT=direct,
+        HAS_POSITIONS=positions is not None,
         num_warps=_MLA_NUM_WARPS,
         num_stages=2,
     )

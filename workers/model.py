@@ -264,6 +264,7 @@ class MLAAttention(nn.Module):
             self.softmax_scale,
             self.kv_lora_rank,
             q_rope,
+            meta.positions,  # a token at p uses only the first p + 1 entries of its row
         )  # [T, H, kv_lora_rank]
         out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_dim]
         out = out.transpose(0, 1).reshape(num_tokens, -1)

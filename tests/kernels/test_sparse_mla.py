@@ -61,3 +61,43 @@ def test_sparse_mla_reads_the_absorbed_and_rope_parts_in_place(dtype, num_tokens
         sparse_mla_attention_reference(q_absorbed, *rest, q_rope),
         sparse_mla_attention_reference(joined, *rest),
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [5, 140])  # 5: the top-k split and merged; 140: one split
+def test_sparse_mla_reads_only_the_entries_a_tokens_position_allows(dtype, num_tokens) -> None:
+    """Given positions, a token at p uses the first min(K, p + 1) entries of its row: the
+    kernel equals the twin when what lies past them is valid-looking garbage (so it must not
+    read it), and on rows as the indexer makes them (picks first, then -1) it gives the same
+    bits as without positions (it only skips steps that change nothing)."""
+    torch.manual_seed(num_tokens)
+    num_heads, kv_lora_rank, rope_dim, num_topk = 3, 40, 8, 150
+    width = kv_lora_rank + rope_dim
+    kv_cache = torch.randn(6, 64, width, dtype=dtype, device=DEVICE)
+    block_tables = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32, device=DEVICE)
+    seq_idx = (torch.arange(num_tokens) % 2).to(torch.int32).to(DEVICE)
+    # Positions below, at and past the top-k's width (0, 31, 149, 150, 191, ...).
+    positions = torch.tensor([0, 31, 149, 150, 191] * 28, dtype=torch.int64)[:num_tokens]
+    packed = torch.full((num_tokens, num_topk), -1, dtype=torch.int32)
+    garbage = torch.randint(0, 192, (num_tokens, num_topk), dtype=torch.int32)
+    for t, p in enumerate(positions.tolist()):
+        used = min(num_topk, p + 1)
+        packed[t, :used] = torch.randperm(p + 1)[:used].to(torch.int32)
+        garbage[t, :used] = packed[t, :used]
+    positions, packed, garbage = positions.to(DEVICE), packed.to(DEVICE), garbage.to(DEVICE)
+    q = torch.randn(num_tokens, num_heads, width, dtype=dtype, device=DEVICE)
+
+    def run(impl, topk, pos):
+        return impl(q, kv_cache, block_tables, seq_idx, topk, width**-0.5, kv_lora_rank, None, pos)
+
+    expected = run(sparse_mla_attention_reference, packed, None)
+    assert torch.equal(run(sparse_mla_attention_reference, garbage, positions), expected)
+    assert_close(run(sparse_mla_attention_triton, garbage, positions), expected)
+    assert torch.equal(
+        run(sparse_mla_attention_triton, packed, positions),
+        run(sparse_mla_attention_triton, packed, None),
+    )
+    # Without positions the garbage is read: the check above can tell.
+    assert not torch.allclose(
+        run(sparse_mla_attention_reference, garbage, None).float(), expected.float(), atol=1e-2
+    )
