@@ -247,8 +247,13 @@ class MLAAttention(nn.Module):
             kv_cache,
             meta.slot_mapping,
         )
+        # A token at p uses only the first min(K, p + 1) entries of the indexer's row (its picks
+        # come first, then -1): the attention walks no further. A row shared across draft steps
+        # has the steps' own positions after the kept row's padding, so it is walked whole.
+        used_positions = None
         if topk is None:
             topk = self.indexer(x, q_latent, cos_sin, meta, index_cache)
+            used_positions = meta.positions
         # W_UK / W_UV out of kv_b_proj: [heads, nope + v, kv_lora_rank]
         w_kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
@@ -264,7 +269,7 @@ class MLAAttention(nn.Module):
             self.softmax_scale,
             self.kv_lora_rank,
             q_rope,
-            meta.positions,  # a token at p uses only the first p + 1 entries of its row
+            used_positions,
         )  # [T, H, kv_lora_rank]
         out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_dim]
         out = out.transpose(0, 1).reshape(num_tokens, -1)

@@ -58,3 +58,33 @@ def test_kept_row_is_the_last_accepted_tokens_row():
     step2 = rows_for_step(kept, 2, torch.tensor([20, 31]))
     # The kept row, then the positions written by draft steps 1..2 (the step's own included).
     assert step2.tolist() == [[12, 13, 14, 15, 19, 20], [36, 37, 38, 39, 30, 31]]
+
+
+def test_attention_bounds_indexer_rows_by_position_and_walks_shared_rows_whole(
+    tiny_model_dir, monkeypatch
+):
+    """Rows the indexer made go to the attention with their tokens' positions (a token at p
+    uses the first p + 1 entries); a shared draft row (the kept row, then the draft steps' own
+    positions after its -1 padding) goes without, and sharing still changes no draft."""
+    from kernels import ops
+
+    real = ops.sparse_mla_attention
+    seen = []  # (row width, positions given)
+
+    def recording(*args):
+        seen.append((args[4].shape[1], args[8] is not None))
+        return real(*args)
+
+    monkeypatch.setattr(ops, "sparse_mla_attention", recording)
+    llm = LLM(tiny_model_dir, num_draft_tokens=3, share_topk=True, dtype="float32")
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    topk_width = llm.engine.executor.worker.model.config.index_topk
+    assert (topk_width, True) in seen  # the target's and draft step 0's indexer rows
+    assert any(width > topk_width and not given for width, given in seen)  # shared rows
+    assert all(given for width, given in seen if width == topk_width)
+    monkeypatch.undo()
+    plain = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32")
+    expected = plain.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )
+    assert out[0].token_ids == expected[0].token_ids
