@@ -175,14 +175,15 @@ def _sparse_mla_split_kernel(
     running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
-    if HAS_POSITIONS:  # entries past the first p + 1 are unused: not scored
+    if HAS_POSITIONS:
+        # Entries past the first p + 1 are -1 (the caller's promise): the steps stop at the
+        # BLOCK_K tile that holds the last used entry, and what is left of that tile is masked
+        # as any -1 is. A bound that is a multiple of BLOCK_K keeps the row's loads as wide as
+        # without positions (an exact bound, and a mask of its own, cost 3-6% on the H200
+        # where every entry is used; this costs ~1%).
         num_used = tl.minimum(tl.load(positions_ptr + token).to(tl.int32) + 1, num_topk)
-        # The steps stop at the BLOCK_K tile that holds the last used entry. A bound that is a
-        # multiple of BLOCK_K keeps the top-k row's loads as wide as without positions (an
-        # exact one cost 3-6% where every entry is used, on the H200).
         bound = tl.minimum(tl.cdiv(num_used, BLOCK_K) * BLOCK_K, num_topk)
     else:
-        num_used = num_topk
         bound = num_topk
     start = split * keys_per_split
     # A split wholly past them runs no step and leaves what an all -1 split leaves (max -1e30,
@@ -192,8 +193,6 @@ def _sparse_mla_split_kernel(
         slots = k0 + tl.arange(0, BLOCK_K)
         picks = tl.load(topk_ptr + token * topk_row_stride + slots, mask=slots < end, other=-1)
         valid = picks >= 0
-        if HAS_POSITIONS:
-            valid = valid & (slots < num_used)
         blocks = tl.load(
             block_tables_ptr + seq * block_tables_row_stride + picks // BLOCK_SIZE_TOKENS,
             mask=valid,
@@ -323,7 +322,10 @@ def sparse_mla_attention_triton(
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of `sparse_mla_attention_reference` (split top-k + merge, two launches; one
-    when the top-k is not split, as in prefill, whose programs then write the output)."""
+    when the top-k is not split, as in prefill, whose programs then write the output). Given
+    `positions`, each row's entries past the first min(K, p + 1) must be -1, as the indexer
+    makes them: the kernel skips the tiles wholly past them and reads the rest as it would
+    without positions (the same bits), where the twin ignores whatever they hold."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     if q_rope is None:

@@ -66,10 +66,12 @@ def test_sparse_mla_reads_the_absorbed_and_rope_parts_in_place(dtype, num_tokens
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [5, 140])  # 5: the top-k split and merged; 140: one split
 def test_sparse_mla_reads_only_the_entries_a_tokens_position_allows(dtype, num_tokens) -> None:
-    """Given positions, a token at p uses the first min(K, p + 1) entries of its row: the
-    kernel equals the twin when what lies past them is valid-looking garbage (so it must not
-    read it), and on rows as the indexer makes them (picks first, then -1) it gives the same
-    bits as without positions (it only skips steps that change nothing)."""
+    """Given positions, a token at p uses the first min(K, p + 1) entries of its row. On rows
+    as the indexer makes them (picks first, then -1) the kernel gives the same bits as without
+    positions, and the twin's value; it does not read the tiles wholly past a token's picks
+    (garbage there changes nothing), where the twin ignores whatever lies past them."""
+    from kernels import sparse_mla
+
     torch.manual_seed(num_tokens)
     num_heads, kv_lora_rank, rope_dim, num_topk = 3, 40, 8, 150
     width = kv_lora_rank + rope_dim
@@ -77,27 +79,32 @@ def test_sparse_mla_reads_only_the_entries_a_tokens_position_allows(dtype, num_t
     block_tables = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32, device=DEVICE)
     seq_idx = (torch.arange(num_tokens) % 2).to(torch.int32).to(DEVICE)
     # Positions below, at and past the top-k's width (0, 31, 149, 150, 191, ...).
-    positions = torch.tensor([0, 31, 149, 150, 191] * 28, dtype=torch.int64)[:num_tokens]
+    positions = torch.tensor([0, 31, 100, 149, 150, 191] * 24, dtype=torch.int64)[:num_tokens]
     packed = torch.full((num_tokens, num_topk), -1, dtype=torch.int32)
-    garbage = torch.randint(0, 192, (num_tokens, num_topk), dtype=torch.int32)
+    past_tiles = torch.randint(0, 192, (num_tokens, num_topk), dtype=torch.int32)
+    past_any = past_tiles.clone()
+    tile = sparse_mla._MLA_BLOCK_K
     for t, p in enumerate(positions.tolist()):
         used = min(num_topk, p + 1)
         packed[t, :used] = torch.randperm(p + 1)[:used].to(torch.int32)
-        garbage[t, :used] = packed[t, :used]
-    positions, packed, garbage = positions.to(DEVICE), packed.to(DEVICE), garbage.to(DEVICE)
+        past_any[t, :used] = packed[t, :used]
+        past_tiles[t] = packed[t]  # garbage only in the tiles wholly past the picks
+        whole_tiles_from = min(num_topk, -(-used // tile) * tile)
+        past_tiles[t, whole_tiles_from:] = torch.randint(0, 192, (num_topk - whole_tiles_from,))
+    positions = positions.to(DEVICE)
+    packed, past_tiles, past_any = packed.to(DEVICE), past_tiles.to(DEVICE), past_any.to(DEVICE)
     q = torch.randn(num_tokens, num_heads, width, dtype=dtype, device=DEVICE)
 
     def run(impl, topk, pos):
         return impl(q, kv_cache, block_tables, seq_idx, topk, width**-0.5, kv_lora_rank, None, pos)
 
     expected = run(sparse_mla_attention_reference, packed, None)
-    assert torch.equal(run(sparse_mla_attention_reference, garbage, positions), expected)
-    assert_close(run(sparse_mla_attention_triton, garbage, positions), expected)
-    assert torch.equal(
-        run(sparse_mla_attention_triton, packed, positions),
-        run(sparse_mla_attention_triton, packed, None),
-    )
-    # Without positions the garbage is read: the check above can tell.
-    assert not torch.allclose(
-        run(sparse_mla_attention_reference, garbage, None).float(), expected.float(), atol=1e-2
-    )
+    assert torch.equal(run(sparse_mla_attention_reference, past_any, positions), expected)
+    assert torch.equal(run(sparse_mla_attention_reference, packed, positions), expected)
+    with_positions = run(sparse_mla_attention_triton, packed, positions)
+    assert_close(with_positions, expected)
+    assert torch.equal(with_positions, run(sparse_mla_attention_triton, packed, None))
+    assert torch.equal(run(sparse_mla_attention_triton, past_tiles, positions), with_positions)
+    # Without positions the garbage is read: the checks above can tell.
+    unbounded = run(sparse_mla_attention_triton, past_tiles, None)
+    assert not torch.allclose(unbounded.float(), expected.float(), atol=1e-2)
