@@ -179,8 +179,8 @@ def _sparse_mla_split_kernel(
         # Entries past the first p + 1 are -1 (the caller's promise): the steps stop at the
         # BLOCK_K tile that holds the last used entry, and what is left of that tile is masked
         # as any -1 is. A bound that is a multiple of BLOCK_K keeps the row's loads as wide as
-        # without positions (an exact bound, and a mask of its own, cost 3-6% on the H200
-        # where every entry is used; this costs ~1%).
+        # without positions (an exact bound and a mask of its own cost 3-6% on the H200 where
+        # every entry is used: BENCHMARKS.md, session 12).
         num_used = tl.minimum(tl.load(positions_ptr + token).to(tl.int32) + 1, num_topk)
         bound = tl.minimum(tl.cdiv(num_used, BLOCK_K) * BLOCK_K, num_topk)
     else:
