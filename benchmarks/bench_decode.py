@@ -68,12 +68,18 @@ def build_model(config) -> DeepseekV32ForCausalLM:
 
 
 @torch.no_grad()
-def to_fp8(model) -> int:
+def to_fp8(model, pow2_scales: bool = True) -> int:
     """Quantize every layer a DeepSeek FP8 checkpoint ships in FP8 (the linears the model
     multiplies by, the routed experts) to block-scaled FP8 kept in HBM, as the loader keeps a
-    real checkpoint's; the LM head, embeddings, norms and router stay as they are. Returns the
-    layers converted."""
-    from kernels.fp8 import quantize_fp8_reference
+    real checkpoint's; the LM head, embeddings, norms and router stay as they are. Scales are
+    powers of two (UE8M0) as DeepSeek-V3.1 and later ship them, or amax / 448 (V3's) with
+    `pow2_scales=False`. Returns the layers converted."""
+    from functools import partial
+
+    from kernels.fp8 import quantize_fp8_reference as quantize
+    from workers.loader import scales_loaded
+
+    quantize_fp8_reference = partial(quantize, pow2_scales=pow2_scales)
 
     converted = 0
     for module in list(model.modules()):
@@ -101,6 +107,7 @@ def to_fp8(model) -> int:
             module.weight.data.copy_(q)
             module.weight_scale_inv.data.copy_(scale)
         converted += 1
+    scales_loaded(model)
     torch.cuda.empty_cache()
     return converted
 
@@ -309,6 +316,13 @@ def main() -> None:
     ap.add_argument(
         "--fp8", action="store_true", help="the slice with DeepSeek's block-scaled FP8 weights"
     )
+    ap.add_argument(
+        "--fp8-scales",
+        choices=("ue8m0", "amax"),
+        default="ue8m0",
+        help="with --fp8: scales as powers of two (DeepSeek-V3.1 and later, V3.2 included) or "
+        "amax / 448 (DeepSeek-V3)",
+    )
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument(
@@ -444,11 +458,15 @@ def run_single(args, emit, bw: float) -> None:
     config = slice_config(args.layers)
     model = build_model(config)
     if args.fp8:
-        converted = to_fp8(model)
+        converted = to_fp8(model, pow2_scales=args.fp8_scales == "ue8m0")
     emit(
         f"slice: {args.layers} layers (1 dense + {args.layers - 1} MoE) + MTP, "
         f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params"
-        + (f", {converted} layers in block-scaled FP8 (LM head bf16)" if args.fp8 else "")
+        + (
+            f", {converted} layers in block-scaled FP8 ({args.fp8_scales} scales; LM head bf16)"
+            if args.fp8
+            else ""
+        )
     )
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
     if args.profile and args.prefill_only:

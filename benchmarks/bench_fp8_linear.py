@@ -12,6 +12,10 @@ prints the best per (projection, M), then dict literals to paste into kernels/fp
 smallest geometric mean over the projections of its time / that projection's best time.
 Every time is a CUDA graph of back-to-back calls replayed (launch overhead excluded).
 
+Both tables add w8a16 on the same weights with UE8M0 scales (each a power of two, as
+DeepSeek-V3.1 and later ship them), where the kernels scale each k step's product instead of
+every weight element (`pow2_scales`).
+
 --moe: the routed experts of one DeepSeek-V3.2 MoE layer (256 FP8 experts, hidden 7168,
 intermediate 2048, top-8 of random router logits) at 512 / 2048 / 8192 tokens: w8a16
 (kernels/moe_experts.py) against w8a8 (kernels/moe_experts_w8a8.py, its act_quant included), with
@@ -145,22 +149,30 @@ def floor_us(n: int, k: int, t: int, bw: float) -> float:
 
 def table(shapes: dict, tokens: list[int], bw: float) -> None:
     print(
-        "| projection | tokens | w8a16 us | w8a8 us | floor us | bf16 cuBLAS us "
+        "| projection | tokens | w8a16 us | w8a16 UE8M0 us | w8a8 us | floor us | bf16 cuBLAS us "
         "| fp8 _scaled_mm us | w8a8 cuBLASLt block-scaled us (error) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda") * k**-0.5
         weight, scale = quantize_fp8_reference(w)
+        # UE8M0 scales (powers of two, as DeepSeek-V3.1 and later ship them): the w8a16
+        # kernel's POW2_SCALES path.
+        weight_ue8m0, scale_ue8m0 = quantize_fp8_reference(w, pow2_scales=True)
         w_bf16 = w.bfloat16()
         for t in tokens:
             x = torch.randn(t, k, dtype=torch.bfloat16, device="cuda")
             w8a16 = graph_us(partial(fp8_linear_triton, x, weight, scale), reps=50)
+            ue8m0 = graph_us(
+                partial(fp8_linear_triton, x, weight_ue8m0, scale_ue8m0, pow2_scales=True),
+                reps=50,
+            )
             w8a8 = graph_us(partial(fp8_linear_w8a8_triton, x, weight, scale), reps=50)
             bf16, scaled = peers_us(x, w_bf16, weight)
             print(
-                f"| {name} | {t} | {w8a16:.1f} | {w8a8:.1f} | {floor_us(n, k, t, bw):.1f} "
-                f"| {bf16:.1f} | {scaled:.1f} | {cublaslt_us(x, weight, scale)} |",
+                f"| {name} | {t} | {w8a16:.1f} | {ue8m0:.1f} | {w8a8:.1f} "
+                f"| {floor_us(n, k, t, bw):.1f} | {bf16:.1f} | {scaled:.1f} "
+                f"| {cublaslt_us(x, weight, scale)} |",
                 flush=True,
             )
 
@@ -309,23 +321,29 @@ def moe_table(tokens: list[int], bw: float) -> None:
     print(f"dense GEMM 8192^3: FP8 {fp8_tflops:.0f} TFLOP/s, bf16 {bf16_tflops:.0f} TFLOP/s\n")
     w13, w2, w13_scale, w2_scale = moe_experts()
     expert_bytes = 3 * MOE_INTER * MOE_HIDDEN + (w13_scale[0].numel() + w2_scale[0].numel()) * 4
+    # The same experts with UE8M0 scales (each rounded to a power of two, as DeepSeek-V3.1 and
+    # later ship them): the w8a16 kernels' POW2_SCALES path.
+    pow2 = [torch.exp2(torch.round(torch.log2(s))) for s in (w13_scale, w2_scale)]
     print(
-        "| tokens | experts hit | w8a16 ms | w8a8 ms | w8a8 speed-up | HBM floor ms "
-        "| FP8 FLOP floor ms | bf16 FLOP floor ms | w8a8 x floor |"
+        "| tokens | experts hit | w8a16 ms | w8a16 UE8M0 ms | w8a8 ms | w8a8 speed-up "
+        "| HBM floor ms | FP8 FLOP floor ms | bf16 FLOP floor ms | w8a16 UE8M0 x floor "
+        "| w8a8 x floor |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for t in tokens:
         x, weights, ids = moe_step(t)
         args = (x, w13, w2, weights, ids, 0, w13_scale, w2_scale)
         w8a16 = graph_us(partial(grouped_moe_triton, *args)) / 1e3
+        fast = graph_us(partial(grouped_moe_triton, *args[:6], *pow2, pow2_scales=True)) / 1e3
         w8a8 = graph_us(partial(grouped_moe_w8a8_triton, *args)) / 1e3
         hit = int(ids.unique().numel())
         hbm = (hit * expert_bytes + 2 * x.numel() * 2) / bw * 1e3
         flops = ids.numel() * 3 * MOE_INTER * MOE_HIDDEN * 2
         fp8_floor, bf16_floor = flops / fp8_tflops / 1e9, flops / bf16_tflops / 1e9
         print(
-            f"| {t} | {hit} | {w8a16:.3f} | {w8a8:.3f} | {w8a16 / w8a8:.2f}x | {hbm:.3f} "
-            f"| {fp8_floor:.3f} | {bf16_floor:.3f} | {w8a8 / max(hbm, fp8_floor):.2f} |",
+            f"| {t} | {hit} | {w8a16:.3f} | {fast:.3f} | {w8a8:.3f} | {w8a16 / w8a8:.2f}x "
+            f"| {hbm:.3f} | {fp8_floor:.3f} | {bf16_floor:.3f} "
+            f"| {fast / max(hbm, bf16_floor):.2f} | {w8a8 / max(hbm, fp8_floor):.2f} |",
             flush=True,
         )
 

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -118,12 +119,14 @@ def simulated_rank(tp_size: int = TP_SIZE, ep_size: int = EP_SIZE, tp_rank: int 
 
 
 def _fill_random(name: str, p: torch.Tensor, params: dict, gen: torch.Generator) -> None:
-    """Norms 1, biases 0; FP8 weights N(0, 1) with block scales in**-0.5 (so they dequantize to
-    N(0, 1/in), like the bf16 ones); other weights N(0, 1/in)."""
+    """Norms 1, biases 0; FP8 weights N(0, 1) with block scales the power of two nearest
+    in**-0.5 (UE8M0 as DeepSeek-V3.2 ships them; they dequantize to about N(0, 1/in), like
+    the bf16 ones); other weights N(0, 1/in)."""
     from kernels.fp8 import FP8_DTYPE
 
     if name.endswith("_scale_inv"):  # weight_scale_inv, w13_scale_inv, w2_scale_inv
-        p.fill_(params[name.removesuffix("_scale_inv")].shape[-1] ** -0.5)
+        fan_in = params[name.removesuffix("_scale_inv")].shape[-1]
+        p.fill_(2.0 ** round(math.log2(fan_in**-0.5)))
     elif name.endswith("bias"):
         p.zero_()
     elif "norm" in name.rsplit(".", 2)[-2]:
@@ -142,6 +145,7 @@ def build_shard(config, device: torch.device, progress=print):
     """Rank RANK's modules at the simulated rank's sizes (call inside `simulated_rank`), built
     on the meta device, made FP8 as DeepSeek ships them, then given random values on `device`
     module by module (nothing of its size ever on the host)."""
+    from workers.loader import scales_loaded
     from workers.memory_plan import use_fp8_as_shipped
     from workers.model import DeepseekV32ForCausalLM, Rotary
 
@@ -172,6 +176,7 @@ def build_shard(config, device: torch.device, progress=print):
             )
     model.mtp.embed_tokens = model.model.embed_tokens  # tied as the loader ties them
     model.mtp.shared_head.head = model.lm_head
+    scales_loaded(model)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     progress(f"  shard made (MTP layer included): {made / 1e9:.2f} GB")

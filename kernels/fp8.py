@@ -35,9 +35,12 @@ def dequantize_fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor) -> t
     return weight.float() * scale
 
 
-def quantize_fp8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_reference(
+    weight: torch.Tensor, pow2_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-wise quantization as DeepSeek ships its checkpoints: per 128x128 block,
-    scale = amax / 448 (1 for an all-zero block) -> (FP8 weight, float32 scale_inv)."""
+    scale = amax / 448 (1 for an all-zero block) -> (FP8 weight, float32 scale_inv).
+    `pow2_scales`: the scale rounded up to a power of two (UE8M0, DeepSeek-V3.1 and later)."""
     rows, cols = weight.shape
     grid_r, grid_c = scale_grid(rows, cols)
     padded = weight.new_zeros(grid_r * FP8_BLOCK, grid_c * FP8_BLOCK, dtype=torch.float32)
@@ -45,8 +48,25 @@ def quantize_fp8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     blocks = padded.view(grid_r, FP8_BLOCK, grid_c, FP8_BLOCK)
     amax = blocks.abs().amax(dim=(1, 3))  # [grid_r, grid_c]
     scale = torch.where(amax > 0, _div(amax, FP8_MAX), torch.ones_like(amax))
+    if pow2_scales:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(FP8_DTYPE)
     return q, scale
+
+
+# The w8a16 kernels scale a k step's product instead of each weight element (pow2_scales) only
+# with tiles of at most this many rows: on the H200 it is 6-17% faster at 1-8 rows and 6-15%
+# slower with 64-row tiles (`benchmarks/bench_fp8_linear.py`, BENCHMARKS.md session 13).
+POW2_SCALES_MAX_BLOCK_M = 16
+
+
+def scales_are_powers_of_two(scale: torch.Tensor) -> bool:
+    """Whether every scale is a positive, finite, normal power of two (its float32 mantissa
+    bits all zero): DeepSeek-V3.1 and later ship their block scales so (UE8M0). Then a product
+    times a scale is exact, and kernels may scale partial sums instead of weight elements."""
+    bits = scale.detach().float().contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    return bool(((bits & 0x807FFFFF) == 0).all() and ((exponent > 0) & (exponent < 255)).all())
 
 
 def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,10 +84,11 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, pow2_scales: bool = False
 ) -> torch.Tensor:
     """The weight twin: y = x @ dequant(weight)^T, the weights rounded to x's dtype as a
-    bf16 GEMM sees them (exact in fp32). x [T, C], weight [R, C] FP8 -> [T, R] in x's dtype."""
+    bf16 GEMM sees them (exact in fp32). x [T, C], weight [R, C] FP8 -> [T, R] in x's dtype.
+    `pow2_scales` (the kernels' hint, see `scales_are_powers_of_two`) changes nothing here."""
     w = dequantize_fp8_reference(weight, scale_inv).to(x.dtype)
     return x @ w.t()
 

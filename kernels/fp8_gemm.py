@@ -8,7 +8,8 @@ multiplied by a_scale[m, kb] * w_scale[n // 128, kb] and added to an fp32 accumu
 tensor cores' own accumulation never runs longer than 128 products (DeepSeek's promotion to
 fp32 every 128). The twin is `kernels.fp8.fp8_gemm_reference` (both operands dequantized
 exactly, the product in fp32); `fp8_linear_w8a8_triton` quantizes bf16 activations first and
-is the twin `fp8_linear_act_quant_reference`.
+is the twin `fp8_linear_act_quant_reference`. K is split at small M as in kernels/fp8_linear.py
+(`split_k`; a tile's last split sums the splits' partials in a fixed order, `store_split_k`).
 
 Under Triton's interpreter (no FP8 tl.dot there) UPCAST_DOT converts the FP8 tiles to fp32
 before the dot: the same products (an e4m3 x e4m3 product is exact in fp32), the same scaling.
@@ -26,7 +27,13 @@ from kernels.fp8_cublaslt import (
     cublaslt_shape_ok,
     fp8_gemm_cublaslt,
 )
-from kernels.fp8_linear import Fp8TileConfig, _sum_splits_kernel, config_for_rows, split_k
+from kernels.fp8_linear import (
+    Fp8TileConfig,
+    config_for_rows,
+    split_k,
+    store_split_k,
+    tile_counters,
+)
 from kernels.launch import check_tensor, launch
 from kernels.platform import tl, triton, triton_interpreter
 
@@ -80,6 +87,8 @@ def _fp8_gemm_kernel(
     w_ptr,
     w_scale_ptr,
     out_ptr,
+    partial_ptr,
+    counter_ptr,
     num_rows,
     out_features,
     in_features,
@@ -87,13 +96,15 @@ def _fp8_gemm_kernel(
     a_scale_row_stride,
     w_row_stride,
     w_scale_row_stride,
-    out_split_stride,
+    partial_split_stride,
     k_blocks_per_split,
+    num_splits,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -136,13 +147,18 @@ def _fp8_gemm_kernel(
         acc += scaled_fp8_dot(a, w, a_scale, w_scale, UPCAST_DOT)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(
-        out_ptr
-        + split * out_split_stride
-        + rows[:, None].to(tl.int64) * out_features
-        + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & col_mask[None, :],
+    store_split_k(
+        acc,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        rows[:, None].to(tl.int64) * out_features + cols[None, :],  # out and partials: [M, N]
+        row_mask[:, None] & col_mask[None, :],
+        pid,  # one program per output tile and split
+        split,
+        num_splits,
+        partial_split_stride,
+        SPLIT_K,
     )
 
 
@@ -181,9 +197,12 @@ def fp8_gemm_triton(
         config = config_for_rows(num_rows, W8A8_CONFIGS)
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_features, config.block_n)
     num_splits, k_per_split = split_k(num_tiles, in_features, config.split_target)
-    target = out
+    partial, counters = out, out  # one split: stored as they are, no workspace, no counters
     if num_splits > 1:
-        target = torch.empty(num_splits, num_rows, out_features, dtype=torch.float32, device=device)
+        partial = torch.empty(
+            num_splits, num_rows, out_features, dtype=torch.float32, device=device
+        )
+        counters = tile_counters(device, num_tiles)
     launch(
         _fp8_gemm_kernel,
         (num_tiles, num_splits),
@@ -192,7 +211,9 @@ def fp8_gemm_triton(
         a_scale,
         weight,
         scale_inv,
-        target,
+        out,
+        partial,
+        counters,
         num_rows,
         out_features,
         in_features,
@@ -202,29 +223,17 @@ def fp8_gemm_triton(
         scale_inv.stride(0),
         num_rows * out_features,
         k_per_split // FP8_BLOCK,
+        num_splits,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=FP8_BLOCK,
         GROUP_M=GROUP_M,
         EVEN_K=in_features % FP8_BLOCK == 0,
+        SPLIT_K=num_splits > 1,
         UPCAST_DOT=triton_interpreter(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if num_splits > 1:
-        num_elements = num_rows * out_features
-        launch(
-            _sum_splits_kernel,
-            (triton.cdiv(num_elements, 1024),),
-            a,
-            target,
-            out,
-            num_elements,
-            num_elements,
-            NUM_SPLITS=num_splits,
-            BLOCK=1024,
-            num_warps=4,
-        )
     return out
 
 

@@ -3,6 +3,12 @@
 The weights stay FP8 in HBM (half the bytes of bf16: a decode step reads every weight once, so
 this halves the step's floor); activations stay in their dtype. The twins are in kernels/fp8.py:
 `fp8_linear_reference` (exact dequantization, then the matmul) is this kernel's spec.
+
+Split K (both FP8 GEMMs, this one and kernels/fp8_gemm.py's) is reduced in the same launch, with
+one int32 counter per output tile (`tile_counters`): every launch leaves its counters at zero, so
+one buffer per device serves every launch. That assumes one stream at a time per device: two
+split-K launches running concurrently on two streams would share counters. A side stream is fine
+when it is ordered against the others (the graph warm-up's `wait_stream`).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
+from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, POW2_SCALES_MAX_BLOCK_M, scale_grid
 from kernels.launch import FLOAT_DTYPES, check_tensor, dot_in_fp32, launch
 from kernels.platform import tl, triton
 
@@ -22,9 +28,13 @@ from kernels.platform import tl, triton
 # scale block: the FP8 tile is converted to fp32, multiplied by its rows' scales for that block,
 # rounded to the activations' dtype (as the twin rounds the dequantized weight) and fed to
 # tl.dot. Decode has few rows and, for a narrow projection, few output tiles (q_a: 1536 outputs
-# = 24 tiles of 64 for 132 SMs), so K is split across programs; each split writes its fp32
-# partial sums and a second kernel adds the splits in a fixed order (deterministic, unlike
-# atomics: graph replays and PDL on/off give identical bits).
+# = 24 tiles of 64 for 132 SMs), so K is split across programs. Serial split-K (CUTLASS's
+# semaphore): each split writes its fp32 partial tile to a workspace and counts itself in on its
+# tile's counter; the last of a tile's splits to arrive adds all the tile's partials in a fixed
+# order (s = 0 .. S-1, from zeros), stores the output and puts the counter back to 0. Which
+# program adds does not change the sum: the same bits as a second kernel adding the splits
+# (what this replaced: 28 launches of ~2.75 us in an H200 decode step), deterministic over graph
+# replays and PDL on/off, unlike atomic adds of the partials.
 
 
 @dataclass(frozen=True)
@@ -35,8 +45,8 @@ class Fp8TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    # Programs to aim for: K is split (in 128-wide blocks, summed in a fixed order by a second
-    # kernel) until tiles x splits reaches this; 1 never splits.
+    # Programs to aim for: K is split (in 128-wide blocks; a tile's last split to finish sums
+    # them in a fixed order, `store_split_k`) until tiles x splits reaches this; 1 never splits.
     split_target: int = 264
 
 
@@ -69,12 +79,83 @@ def config_for_rows(num_rows: int, configs: dict[int, Config]) -> Config:
     return configs[max(configs)]
 
 
+# Counters of a split-K launch's output tiles, per device: zero between launches (each tile's
+# last split puts its counter back), so every launch on the device shares them (one stream at a
+# time, see the module docstring). Allocated on a device's first split-K launch, never during a
+# CUDA-graph capture (the zeroing would become a graph node); a buffer outgrown is kept, not
+# freed, since a captured graph may still point at it.
+MIN_TILE_COUNTERS = 4096  # tiles of a split launch < split_target (<= 528 in the sweeps)
+_TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN_TILE_COUNTERS: list[torch.Tensor] = []
+
+
+def tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
+    """The device's zeroed int32 tile counters, at least num_tiles of them (grown outside a
+    CUDA-graph capture only: growing during one raises RuntimeError)."""
+    counters = _TILE_COUNTERS.get(device)
+    if counters is not None and counters.numel() >= num_tiles:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        have = 0 if counters is None else counters.numel()
+        raise RuntimeError(
+            f"split-K needs {num_tiles} tile counters on {device} and has {have}: they cannot be "
+            "allocated during a CUDA-graph capture; run this launch eagerly once before capturing"
+        )
+    if counters is not None:
+        _OUTGROWN_TILE_COUNTERS.append(counters)
+    counters = torch.zeros(max(num_tiles, MIN_TILE_COUNTERS), dtype=torch.int32, device=device)
+    _TILE_COUNTERS[device] = counters
+    return counters
+
+
+@triton.jit
+def store_split_k(
+    acc,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    offsets,
+    mask,
+    tile,
+    split,
+    num_splits,
+    partial_split_stride,
+    SPLIT_K: tl.constexpr,
+):
+    """Store a program's fp32 tile `acc` [BLOCK_M, BLOCK_N] at out_ptr + offsets (in out's
+    dtype). Split K: the partial goes to the workspace; the tile's last split to arrive sums the
+    splits' partials in order s = 0 .. S-1 from zeros, stores that, and zeroes the counter."""
+    if not SPLIT_K:
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(partial_ptr + split * partial_split_stride + offsets, acc, mask=mask)
+        # The scalar atomic is one thread's: the barrier puts every thread's partial stores
+        # before its release (acq_rel, gpu scope); Triton broadcasts the result after a barrier
+        # too, so the reads below come after the acquire in every thread.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            total = tl.zeros_like(acc)
+            for s in range(num_splits):  # a fixed order
+                total += tl.load(
+                    partial_ptr + s * partial_split_stride + offsets,
+                    mask=mask,
+                    other=0.0,
+                    cache_modifier=".cg",  # other SMs wrote them: not from L1
+                )
+            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+            # Every split of this tile has counted itself: the next launch finds a zero.
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit
 def _fp8_linear_kernel(
     x_ptr,
     w_ptr,
     scale_ptr,
+    out_ptr,
     partial_ptr,
+    counter_ptr,
     num_rows,
     out_features,
     in_features,
@@ -83,10 +164,13 @@ def _fp8_linear_kernel(
     scale_row_stride,
     partial_split_stride,
     k_per_split,
+    num_splits,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    POW2_SCALES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,41 +195,33 @@ def _fp8_linear_kernel(
         )  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_rows + k0 + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         scale = tl.load(scale_rows + k0 // BLOCK_K, mask=col_mask, other=0.0)  # [BLOCK_N]
-        w = w.to(tl.float32) * scale[:, None]  # [BLOCK_N, BLOCK_K], exactly dequantized
-        if UPCAST_DOT:
-            acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        if POW2_SCALES:  # the scale on the step's product (exact for a power of two)
+            if UPCAST_DOT:
+                part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:  # e4m3 -> fp16 -> the activations' dtype: exact, and the fast conversion
+                part = tl.dot(a, tl.trans(w.to(tl.float16).to(a.dtype)))
+            acc += part * scale[None, :]
         else:
-            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+            w = w.to(tl.float32) * scale[:, None]  # [BLOCK_N, BLOCK_K], exactly dequantized
+            if UPCAST_DOT:
+                acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(
-        partial_ptr
-        + split * partial_split_stride
-        + rows[:, None].to(tl.int64) * out_features
-        + cols[None, :],
+    store_split_k(
         acc,
-        mask=row_mask[:, None] & col_mask[None, :],
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        rows[:, None].to(tl.int64) * out_features + cols[None, :],  # out and partials: [M, N]
+        row_mask[:, None] & col_mask[None, :],
+        tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+        split,
+        num_splits,
+        partial_split_stride,
+        SPLIT_K,
     )
-
-
-@triton.jit
-def _sum_splits_kernel(
-    partial_ptr,
-    out_ptr,
-    num_elements,
-    partial_split_stride,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_elements
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(NUM_SPLITS):  # a fixed order
-        total += tl.load(partial_ptr + s * partial_split_stride + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def split_k(num_tiles: int, in_features: int, split_target: int) -> tuple[int, int]:
@@ -162,8 +238,13 @@ def fp8_linear_triton(
     weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
     scale_inv: torch.Tensor,  # [ceil(out/128), ceil(in/128)] float32
     config: Fp8TileConfig | None = None,
+    pow2_scales: bool = False,
 ) -> torch.Tensor:
-    """Triton twin of `kernels.fp8.fp8_linear_reference`: [T, out_features] in x's dtype."""
+    """Triton twin of `kernels.fp8.fp8_linear_reference`: [T, out_features] in x's dtype.
+    `pow2_scales`: the caller's promise that every scale is a power of two (UE8M0, as
+    DeepSeek-V3.1 and later ship them): the scale then multiplies each k step's fp32 product
+    instead of every weight element, the same numbers (a power of two times a value is exact)
+    up to the fp32 summation order, with fewer instructions per weight element."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
     check_tensor("weight", weight, ndim=2, dtypes=(FP8_DTYPE,), device=device)
@@ -184,8 +265,14 @@ def fp8_linear_triton(
         config = config_for_rows(num_rows, W8A16_CONFIGS)
     tiles_m = triton.cdiv(num_rows, config.block_m)
     tiles_n = triton.cdiv(out_features, config.block_n)
-    num_splits, k_per_split = split_k(tiles_m * tiles_n, in_features, config.split_target)
-    partial = torch.empty(num_splits, num_rows, out_features, dtype=torch.float32, device=device)
+    num_tiles = tiles_m * tiles_n
+    num_splits, k_per_split = split_k(num_tiles, in_features, config.split_target)
+    partial, counters = out, out  # one split: stored as they are, no workspace, no counters
+    if num_splits > 1:
+        partial = torch.empty(
+            num_splits, num_rows, out_features, dtype=torch.float32, device=device
+        )
+        counters = tile_counters(device, num_tiles)
     launch(
         _fp8_linear_kernel,
         (tiles_m, tiles_n, num_splits),
@@ -193,33 +280,25 @@ def fp8_linear_triton(
         x,
         weight,
         scale_inv,
+        out,
         partial,
+        counters,
         num_rows,
         out_features,
         in_features,
         x.stride(0),
         weight.stride(0),
         scale_inv.stride(0),
-        partial.stride(0),
+        num_rows * out_features,
         k_per_split,
+        num_splits,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=FP8_BLOCK,
+        SPLIT_K=num_splits > 1,
         UPCAST_DOT=dot_in_fp32(x.dtype),
+        POW2_SCALES=pow2_scales and config.block_m <= POW2_SCALES_MAX_BLOCK_M,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-    )
-    num_elements = num_rows * out_features
-    launch(
-        _sum_splits_kernel,
-        (triton.cdiv(num_elements, 1024),),
-        x,
-        partial,
-        out,
-        num_elements,
-        partial.stride(0),
-        NUM_SPLITS=num_splits,
-        BLOCK=1024,
-        num_warps=4,
     )
     return out

@@ -62,8 +62,12 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> to
     return impl(x, weight, scale)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T for a block-scaled FP8 weight (kernels/fp8.py).
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, pow2_scales: bool = False
+) -> torch.Tensor:
+    """y = x @ W^T for a block-scaled FP8 weight (kernels/fp8.py). `pow2_scales`: every scale is
+    a power of two (`kernels.fp8.scales_are_powers_of_two`): the w8a16 kernel then scales
+    partial products instead of weight elements.
 
     fp32 activations and few rows: the weight dequantized in registers (w8a16, the twin's exact
     math). bf16 / fp16 activations with at least W8A8_MIN_TOKENS rows, on FP8 tensor cores:
@@ -76,7 +80,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
         return fp8_linear_reference(x, weight, scale_inv)
     if use_fp8_w8a8(x):
         return fp8_linear_w8a8(x, weight, scale_inv)
-    return fp8_linear_triton(x, weight, scale_inv)
+    return fp8_linear_triton(x, weight, scale_inv, pow2_scales=pow2_scales)
 
 
 def use_fp8_w8a8(x: torch.Tensor) -> bool:
@@ -245,8 +249,11 @@ def grouped_moe(
     first_expert: int = 0,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    pow2_scales: bool = False,
 ) -> torch.Tensor:
     """Routed experts; FP8 experts (e4m3, 128x128 block scales) when the scales are given.
+    `pow2_scales`: every scale is a power of two (`kernels.fp8.scales_are_powers_of_two`), which
+    lets the w8a16 kernels scale partial products instead of weight elements.
 
     FP8 experts take the w8a8 kernels (x and the intermediate quantized per token in 1x128
     groups, both GEMMs on FP8 tensor cores; twin `grouped_moe_w8a8_reference`) where
@@ -270,7 +277,17 @@ def grouped_moe(
         return grouped_moe_deepgemm(
             x, w13, w2, topk_weights, topk_ids, first_expert, deepgemm.backend
         )
-    return grouped_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
+    return grouped_moe_triton(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        first_expert,
+        w13_scale,
+        w2_scale,
+        pow2_scales=pow2_scales,
+    )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

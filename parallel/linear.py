@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
-from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
+from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid, scales_are_powers_of_two
 from parallel.collectives import tp_all_reduce
 from parallel.state import get_parallel_state
 
@@ -29,6 +29,8 @@ class _Fp8Capable(nn.Module):
     # False where the model reads the weight itself rather than multiplying by it (MLA's
     # kv_b_proj is absorbed into q and the output): such a weight is dequantized on load.
     quantizable = True
+    # Every scale a power of two (DeepSeek-V3.1 and later, UE8M0): set by `scales_loaded`.
+    pow2_scales = False
 
     @property
     def is_fp8(self) -> bool:
@@ -55,12 +57,19 @@ class _Fp8Capable(nn.Module):
     def _fp8_blocks_align(self) -> bool:
         return True
 
+    def scales_loaded(self) -> None:
+        """Once the weight and its scales are in place: note whether every scale is a power
+        of two (then the kernel scales partial products, not weight elements)."""
+        self.pow2_scales = self.is_fp8 and scales_are_powers_of_two(self.weight_scale_inv)
+
     def scale_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param, loaded.float(), "weight_scale_inv")
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:
-            return ops.fp8_linear(x, self.weight, self.weight_scale_inv)
+            return ops.fp8_linear(
+                x, self.weight, self.weight_scale_inv, pow2_scales=self.pow2_scales
+            )
         return F.linear(x, self.weight)
 
 

@@ -210,6 +210,16 @@ def load_weights(model: torch.nn.Module, model_dir: str, names: dict[str, str] |
         filled.setdefault(pname, set()).add(shard)
     _check_complete(model, params, filled)
     _tie_mtp_parts(model)
+    scales_loaded(model)
+
+
+def scales_loaded(model: torch.nn.Module) -> None:
+    """Tell every FP8 layer its weights and scales are in place (it notes whether its scales
+    are powers of two, as DeepSeek-V3.1 and later ship them); whoever fills FP8 weights some
+    other way calls this too."""
+    for module in model.modules():
+        if getattr(module, "is_fp8", False) and hasattr(module, "scales_loaded"):
+            module.scales_loaded()
 
 
 def _attach_mtp_part(model, pname: str, shape) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid
+from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid, scales_are_powers_of_two
 from parallel.collectives import tp_all_reduce, tp_compute_on_one_rank
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import (
@@ -324,9 +324,21 @@ class Experts(nn.Module):
         self.w13.weight_loader = self.load_w13
         self.w2.weight_loader = self.load_w2
 
+    # Every scale a power of two (DeepSeek-V3.1 and later, UE8M0): set by `scales_loaded`.
+    pow2_scales = False
+
     @property
     def is_fp8(self) -> bool:
         return self.w13.dtype == FP8_DTYPE
+
+    def scales_loaded(self) -> None:
+        """Once the weights and scales are in place: note whether every scale is a power of two
+        (then the kernels scale partial products, not weight elements)."""
+        self.pow2_scales = (
+            self.is_fp8
+            and scales_are_powers_of_two(self.w13_scale_inv)
+            and scales_are_powers_of_two(self.w2_scale_inv)
+        )
 
     def use_fp8(self) -> bool:
         """Keep the experts' weights FP8 with their 128x128 block scales (gate and up each in
@@ -424,6 +436,7 @@ class MoE(nn.Module):
             experts.first_expert,
             getattr(experts, "w13_scale_inv", None),
             getattr(experts, "w2_scale_inv", None),
+            pow2_scales=experts.pow2_scales,
         )
         # One all-reduce sums the shared expert's row-parallel partials and every rank's experts.
         return tp_all_reduce(routed + self.shared_experts(x))

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import fp8_linear
 from kernels.fp8 import (
     FP8_BLOCK,
     fp8_gemm_reference,
     fp8_linear_act_quant_reference,
+    fp8_linear_reference,
     quantize_activations_reference,
     quantize_fp8_reference,
 )
@@ -18,8 +20,8 @@ from kernels.fp8_gemm import (
     fp8_gemm_triton,
     fp8_linear_w8a8_triton,
 )
-from kernels.fp8_linear import Fp8TileConfig, config_for_rows
-from tests.kernels.conftest import DEVICE, assert_close, needs_triton
+from kernels.fp8_linear import Fp8TileConfig, config_for_rows, fp8_linear_triton, split_k
+from tests.kernels.conftest import DEVICE, INTERPRETER, assert_close, needs_triton
 
 
 def _operands(num_rows: int, out_features: int, in_features: int, seed: int = 0):
@@ -76,6 +78,92 @@ def test_fp8_linear_w8a8_is_the_activation_twin(dtype) -> None:
     x = x.to(dtype)
     got = fp8_linear_w8a8_triton(*_to(DEVICE, x, weight, scale)).cpu()
     assert_close(got, fp8_linear_act_quant_reference(x, weight, scale))
+
+
+# Few programs to aim for, so small shapes split K into several 128-wide ranges (and one split per
+# K range is what `UNSPLIT` computes).
+SPLIT_CONFIG = Fp8TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, split_target=64)
+UNSPLIT = Fp8TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, split_target=1)
+# (rows, out_features, in_features) -> splits with SPLIT_CONFIG: 8; 2 (32 tiles, K 7168 in two
+# ranges of 28 blocks); 8 (K 1000: a partial last block); 6 (N 200: a partial last tile).
+SPLIT_SHAPES = [(1, 96, 1024), (16, 1024, 7168), (7, 64, 1000), (16, 200, 700)]
+
+
+def _rounded_as_the_kernel_does(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> dtype as the kernel's cast rounds it: to nearest on a GPU; Triton 3.9's
+    interpreter truncates fp32 -> bf16 (its `_convert_float` keeps the top 16 bits)."""
+    if INTERPRETER and dtype == torch.bfloat16:
+        return (t.view(torch.int32) & -(1 << 16)).view(torch.float32).to(dtype)
+    return t.to(dtype)
+
+
+def _num_splits(num_rows: int, out_features: int, in_features: int, config) -> tuple[int, int]:
+    num_tiles = -(-num_rows // config.block_m) * -(-out_features // config.block_n)
+    return split_k(num_tiles, in_features, config.split_target)
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_gemm_split_k_is_the_twin_and_the_fixed_order_sum_of_its_splits(
+    out_dtype, shape
+) -> None:
+    """Several splits give the twin and, bit for bit, what the two-kernel path gave: each K
+    range's fp32 partial (the kernel on that range alone, unsplit, fp32 out) added from zeros in
+    order s = 0 .. S-1, then rounded to out_dtype."""
+    num_rows, out_features, in_features = shape
+    num_splits, k_per_split = _num_splits(*shape, SPLIT_CONFIG)
+    assert num_splits > 1
+    _, q, q_scale, weight, scale = _operands(*shape, seed=3)
+    got = fp8_gemm_triton(*_to(DEVICE, q, q_scale, weight, scale), out_dtype, SPLIT_CONFIG)
+    assert_close(got.cpu(), fp8_gemm_reference(q, q_scale, weight, scale, out_dtype))
+    q, q_scale, weight, scale = _to(DEVICE, q, q_scale, weight, scale)
+    want = torch.zeros(num_rows, out_features, device=DEVICE)
+    for s in range(num_splits):
+        k0, k1 = s * k_per_split, min((s + 1) * k_per_split, in_features)
+        kb = slice(k0 // FP8_BLOCK, -(-k1 // FP8_BLOCK))
+        want += fp8_gemm_triton(
+            q[:, k0:k1], q_scale[:, kb], weight[:, k0:k1], scale[:, kb], torch.float32, UNSPLIT
+        )
+    assert torch.equal(got, _rounded_as_the_kernel_does(want, out_dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("min_counters", [1, 4096], ids=["grown", "up-front"])
+def test_split_k_gemms_and_linears_share_the_tile_counters(min_counters, monkeypatch) -> None:
+    """w8a8 and w8a16 launches of 3, 32 and 7 tiles back to back on the device's one counter
+    buffer (grown as they come where it starts small): each gives its twin and the bits of its
+    first call, and every counter is zero after them."""
+    monkeypatch.setattr(fp8_linear, "_TILE_COUNTERS", {})
+    monkeypatch.setattr(fp8_linear, "MIN_TILE_COUNTERS", min_counters)
+    shapes = [(4, 96, 1024), (20, 500, 384), (16, 200, 700)]  # 8, 2 and 6 splits
+    assert [_num_splits(*shape, SPLIT_CONFIG)[0] for shape in shapes] == [8, 2, 6]
+    calls = []  # (the op on the device, its twin's output)
+    for i, shape in enumerate(shapes):
+        x, q, q_scale, weight, scale = _operands(*shape, seed=i)
+        gemm_args = _to(DEVICE, q, q_scale, weight, scale)
+        linear_args = _to(DEVICE, x, weight, scale)
+        calls.append(
+            (
+                lambda a=gemm_args: fp8_gemm_triton(*a, torch.float32, SPLIT_CONFIG),
+                fp8_gemm_reference(q, q_scale, weight, scale, torch.float32),
+            )
+        )
+        calls.append(
+            (
+                lambda a=linear_args: fp8_linear_triton(*a, SPLIT_CONFIG),
+                fp8_linear_reference(x, weight, scale),
+            )
+        )
+    first = [op() for op, _ in calls]
+    for _ in range(2):
+        for (op, want), bits in zip(calls, first):
+            got = op()
+            assert torch.equal(got, bits)
+            assert_close(got.cpu(), want)
+    counters = fp8_linear._TILE_COUNTERS[first[0].device]
+    assert counters.numel() == max(32, min_counters)
+    assert int(counters.count_nonzero()) == 0
 
 
 def test_config_for_rows_takes_the_first_bucket_that_holds_them() -> None:

@@ -27,6 +27,7 @@ from kernels.fp8_gemm import (
     fp8_linear_w8a8,
     fp8_linear_w8a8_triton,
 )
+from kernels.fp8_linear import _TILE_COUNTERS
 from kernels.platform import pdl_enabled
 from tests.kernels.conftest import assert_close, pdl_on_and_off_over_graph_replays
 
@@ -110,6 +111,34 @@ def test_fp8_linear_w8a8_pdl_on_and_off_identical_over_graph_replays(monkeypatch
     )
     assert mismatches == 0
     assert all(torch.equal(a, b) for a, b in zip(on, off))
+
+
+def test_fp8_gemm_split_k_graph_replays_give_the_eager_bits() -> None:
+    """Split K at decode sizes (q_a and kv_a at 1 and 16 rows: 19, 28, 19 and 28 splits), the
+    activations quantized in the same step: calls repeat their bits; a CUDA graph captured after
+    one eager call, replayed with new inputs copied in, gives the eager call's bits on them;
+    every counter is back at zero after."""
+    weights = [_weight(o, i) for o, i in SHAPES[:2]]
+    inputs = [torch.randn(rows, 7168, dtype=torch.bfloat16, device=CUDA) for rows in (1, 16)]
+
+    def step() -> list[torch.Tensor]:
+        return [fp8_linear_w8a8_triton(x, w, s) for x in inputs for w, s in weights]
+
+    eager = step()  # compiles every variant and allocates the counters before the capture
+    assert all(torch.equal(a, b) for a, b in zip(step(), eager))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step()
+    for _ in range(5):
+        for x in inputs:
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        got = [t.clone() for t in replayed]
+        want = step()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_close(want[0], fp8_linear_act_quant_reference(inputs[0], *weights[0]))
+    torch.cuda.synchronize()
+    assert int(_TILE_COUNTERS[inputs[0].device].count_nonzero()) == 0
 
 
 needs_cublaslt = pytest.mark.skipif(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import ops
-from kernels.fp8 import FP8_DTYPE, scale_grid
+from kernels.fp8 import FP8_DTYPE, scale_grid, scales_are_powers_of_two
 from kernels.fp8_gemm import W8A8_MIN_TOKENS
 from kernels.moe_experts import (
     grouped_moe_reference,
@@ -105,6 +105,26 @@ def test_fp8_grouped_moe_real_shapes(fp8_experts, num_tokens: int) -> None:
     actual = grouped_moe_triton(x, w13, w2, weights, ids, first_expert, **scales)
     assert_close(actual, expected)
     assert_close(ops.grouped_moe(x, w13, w2, weights, ids, first_expert, **scales), expected)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 32, 2048])
+def test_pow2_scales_grouped_moe_real_shapes(fp8_experts, num_tokens: int) -> None:
+    """The same experts with every scale rounded to a power of two (UE8M0, as DeepSeek-V3.1 and
+    later ship them): the POW2_SCALES kernels (e4m3 tiles to bf16 by way of fp16, the scale on
+    each k step's product) against the twin, and against the per-element kernels."""
+    w13, w2, w13_scale, w2_scale, first_expert = fp8_experts
+    w13_scale = torch.exp2(torch.round(torch.log2(w13_scale)))
+    w2_scale = torch.exp2(torch.round(torch.log2(w2_scale)))
+    assert scales_are_powers_of_two(w13_scale) and scales_are_powers_of_two(w2_scale)
+    x = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=CUDA)
+    weights, ids = _routes(num_tokens, first_expert, w13.shape[0], seed=num_tokens)
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+    expected = grouped_moe_reference(x, w13, w2, weights, ids, first_expert, **scales)
+    fast = grouped_moe_triton(x, w13, w2, weights, ids, first_expert, **scales, pow2_scales=True)
+    assert_close(fast, expected)
+    assert_close(fast, grouped_moe_triton(x, w13, w2, weights, ids, first_expert, **scales))
+    via_ops = ops.grouped_moe(x, w13, w2, weights, ids, first_expert, **scales, pow2_scales=True)
+    assert_close(via_ops, expected)
 
 
 def test_fp8_grouped_moe_fp32_activations() -> None:

@@ -95,7 +95,7 @@ def test_fp8_linear_dispatch(monkeypatch, triton_on, dtype, num_rows, enable, ex
         ("fp8_linear_triton", "w8a16"),
         ("fp8_linear_w8a8", "w8a8"),
     ):
-        monkeypatch.setattr(ops, name, lambda *args, label=label: called.append(label))
+        monkeypatch.setattr(ops, name, lambda *args, label=label, **kwargs: called.append(label))
     ops.fp8_linear(torch.zeros(num_rows, 8, dtype=dtype), torch.zeros(4, 8), torch.ones(1, 1))
     assert called == [expect]
 

@@ -29,7 +29,13 @@ from kernels.cache_write import (
     mla_kv_cache_write_reference,
     mla_kv_cache_write_triton,
 )
-from kernels.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_fp8_reference
+from kernels.fp8 import (
+    FP8_DTYPE,
+    fp8_linear_act_quant_reference,
+    fp8_linear_reference,
+    quantize_fp8_reference,
+)
+from kernels.fp8_gemm import fp8_linear_w8a8_triton
 from kernels.fp8_linear import fp8_linear_triton
 from kernels.indexer import (
     indexer_topk_reference,
@@ -82,7 +88,7 @@ ALL_KERNELS = {
     "_moe_down_w8a8_kernel",
     "_linear_fp32_kernel",
     "_fp8_linear_kernel",
-    "_sum_splits_kernel",
+    "_fp8_gemm_kernel",
 }
 # Kernels that also launch with FP8 weights (W_FP8=True), under the same gate.
 FP8_WEIGHT_KERNELS = {"_moe_gate_up_kernel", "_moe_down_kernel"}
@@ -135,6 +141,12 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             "fp8_linear",
             fp8_linear_triton,
             fp8_linear_reference,
+            (torch.randn(3, 200), *quantize_fp8_reference(torch.randn(150, 200))),
+        ),
+        (  # activations quantized (the _act_quant_kernel), then the w8a8 GEMM, K split in two
+            "fp8_linear_w8a8",
+            fp8_linear_w8a8_triton,
+            fp8_linear_act_quant_reference,
             (torch.randn(3, 200), *quantize_fp8_reference(torch.randn(150, 200))),
         ),
         ("rope", rope_triton, rope_reference, (torch.randn(3, 2, 6), cos, sin, True, 4)),

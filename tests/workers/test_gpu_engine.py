@@ -107,13 +107,16 @@ def test_gpu_graphed_proposals_match_eager_on_the_trained_model():
     assert stats[False][1] > 1.5
 
 
-def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path):
+@pytest.mark.parametrize("scales", ["amax", "ue8m0"])
+def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path, scales):
     """An FP8 checkpoint served with its weights FP8 in HBM (the FP8 linear kernel at the tiny
     model's odd shapes, inside CUDA graphs): fp32 greedy equals the CPU twins' greedy, and bf16
-    greedy with MTP k = 3 equals bf16 greedy without it."""
-    from tests.workers.test_loader import _quantize_checkpoint, _rewrite
+    greedy with MTP k = 3 equals bf16 greedy without it. With scales amax / 448 (DeepSeek-V3)
+    and with UE8M0 scales (powers of two, V3.1 and later: the kernels' POW2_SCALES path)."""
+    from tests.workers.test_loader import _quantize_checkpoint, _quantize_checkpoint_ue8m0, _rewrite
 
-    fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), _quantize_checkpoint)
+    quantize = _quantize_checkpoint_ue8m0 if scales == "ue8m0" else _quantize_checkpoint
+    fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), quantize)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     cpu = [
         o.token_ids
@@ -124,6 +127,7 @@ def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path):
     gpu, llm = _tokens(fp8_dir, prompts, dtype="float32")
     q_b = llm.engine.executor.worker.model.model.layers[1].self_attn.q_b_proj
     assert q_b.weight.dtype == torch.float8_e4m3fn and q_b.weight.is_cuda
+    assert q_b.pow2_scales == (scales == "ue8m0")
     assert gpu == cpu
     plain, _ = _tokens(fp8_dir, prompts, dtype="bfloat16")
     mtp, _ = _tokens(fp8_dir, prompts, dtype="bfloat16", num_draft_tokens=3)

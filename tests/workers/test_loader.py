@@ -31,14 +31,17 @@ def _rewrite(src: str, dst: str, edit) -> str:
     return dst
 
 
-def _quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise FP8 as DeepSeek ships it: per 128x128 block, scale = amax / 448."""
+def _quantize_fp8(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise FP8 as DeepSeek ships it: per 128x128 block, scale = amax / 448 (`pow2`:
+    rounded up to a power of two, UE8M0, as DeepSeek-V3.1 and later ship it)."""
     rows, cols = w.shape
     br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
     padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK)
     padded[:rows, :cols] = w
     blocks = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK)
     scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
     return q.to(torch.float8_e4m3fn), scale
 
@@ -48,14 +51,18 @@ def _is_quantized_linear(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith(".weight") and not any(s in name for s in skip)
 
 
-def _quantize_checkpoint(tensors):
+def _quantize_checkpoint(tensors, pow2: bool = False):
     out = {}
     for k, t in tensors.items():
         if _is_quantized_linear(k, t):
-            out[k], out[k + "_scale_inv"] = _quantize_fp8(t.float())
+            out[k], out[k + "_scale_inv"] = _quantize_fp8(t.float(), pow2)
         else:
             out[k] = t
     return out
+
+
+def _quantize_checkpoint_ue8m0(tensors):
+    return _quantize_checkpoint(tensors, pow2=True)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +128,42 @@ def test_fp8_weights_stay_fp8_and_compute_the_dequantized_model(fp8_dir):
         for model in (kept, dequantized)
     ]
     assert (logits[0] - logits[1]).abs().max() < 1e-4
+
+
+def test_fp8_layers_note_whether_their_scales_are_powers_of_two(fp8_dir, tmp_path):
+    """Every FP8 layer learns at load whether its scales are powers of two (UE8M0): the exact
+    amax / 448 scales are not; the same checkpoint with UE8M0 scales is, and one layer's
+    scale off a power of two turns that layer (only) back to the per-element kernels."""
+    fp8_layers = [m for m in load_model(fp8_dir, dtype=torch.float32)[0].modules()]
+    fp8_layers = [m for m in fp8_layers if getattr(m, "is_fp8", False)]
+    assert fp8_layers and not any(m.pow2_scales for m in fp8_layers)
+
+    ue8m0_dir = _rewrite(
+        fp8_dir,
+        str(tmp_path / "ue8m0"),
+        lambda tensors: {
+            k: torch.exp2(torch.ceil(torch.log2(t))) if k.endswith("_scale_inv") else t
+            for k, t in tensors.items()
+        },
+    )
+    model, _ = load_model(ue8m0_dir, dtype=torch.float32)
+    layers = {n: m for n, m in model.named_modules() if getattr(m, "is_fp8", False)}
+    assert set(layers) and all(m.pow2_scales for m in layers.values())
+    assert "model.layers.1.mlp.experts" in layers  # the routed experts too
+
+    off = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+
+    def one_off(tensors):
+        if off in tensors:
+            tensors = dict(tensors)
+            tensors[off] = tensors[off].clone()
+            tensors[off].view(-1)[0] *= 1.5
+        return tensors
+
+    mixed, _ = load_model(_rewrite(ue8m0_dir, str(tmp_path / "mixed"), one_off), torch.float32)
+    noted = {n: m.pow2_scales for n, m in mixed.named_modules() if getattr(m, "is_fp8", False)}
+    assert noted.pop("model.layers.1.self_attn.o_proj") is False
+    assert all(noted.values())
 
 
 def test_a_tp_split_that_cuts_fp8_blocks_is_an_error(fp8_dir):

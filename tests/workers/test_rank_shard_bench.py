@@ -37,10 +37,13 @@ def test_the_shards_own_tensors_are_what_the_plan_counts():
     assert model.model.layers[1].mlp.experts.w13.shape == (2, 256, 256)
     assert fp8 == bench.bytes_by_dtype(model)["float8_e4m3fn"]
     assert bench.plan_bytes_by_dtype(tiny=True)["float8_e4m3fn"] == fp8
-    # random values, finite, in the sizes the loader keeps: weights N(0, 1), scales in**-0.5
+    # random values, finite, in the sizes the loader keeps: weights N(0, 1), scales the power
+    # of two nearest in**-0.5 (UE8M0, as DeepSeek-V3.2 ships them), noted by every FP8 layer
     w = model.model.layers[0].self_attn.q_b_proj
     assert w.weight.shape == (128, 128) and torch.isfinite(w.weight.float()).all()
-    assert torch.all(w.weight_scale_inv == 128**-0.5)
+    assert torch.all(w.weight_scale_inv == 2.0**-4)  # 128**-0.5 = 2**-3.5, rounded to even
+    fp8_layers = [m for m in model.modules() if getattr(m, "is_fp8", False)]
+    assert fp8_layers and all(m.pow2_scales for m in fp8_layers)
     assert 0.8 < w.weight.float().std().item() < 1.2
 
 

@@ -1,0 +1,137 @@
+"""FP8 weights whose block scales are powers of two (UE8M0, as DeepSeek-V3.1 and later ship
+them): the detector, the quantizer's option, and the w8a16 kernels' POW2_SCALES path (the e4m3
+tile multiplied unscaled, the scale applied to each k step's partial product) against the same
+twins as the per-element path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8 import (
+    FP8_DTYPE,
+    dequantize_fp8_reference,
+    fp8_linear_reference,
+    quantize_fp8_reference,
+    scales_are_powers_of_two,
+)
+from kernels.fp8_linear import DECODE_CONFIG as DECODE_LINEAR
+from kernels.fp8_linear import PREFILL_CONFIG as PREFILL_LINEAR
+from kernels.fp8_linear import Fp8TileConfig, fp8_linear_triton
+from kernels.moe_experts import (
+    DECODE_CONFIG,
+    PREFILL_CONFIG,
+    grouped_moe_reference,
+    grouped_moe_triton,
+)
+from tests.kernels.conftest import DEVICE, DTYPES, assert_close, needs_triton
+from tests.kernels.test_moe_experts_fp8 import FP8_CASES, fp8_experts, routes
+
+
+def to_powers_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """Each scale to the nearest power of two (its block's values keep their e4m3 codes)."""
+    return torch.exp2(torch.round(torch.log2(scale)))
+
+
+def test_the_detector_takes_only_positive_finite_normal_powers_of_two() -> None:
+    assert scales_are_powers_of_two(torch.tensor([1.0, 0.5, 2.0**-20, 2.0**100]))
+    for bad in (3.0, 0.75, 1.0 + 2**-23, 0.0, -2.0, float("inf"), float("nan"), 2.0**-140):
+        assert not scales_are_powers_of_two(torch.tensor([1.0, bad])), bad
+    # A single non-power anywhere in a large grid is found.
+    grid = torch.full((64, 57), 2.0**-7)
+    assert scales_are_powers_of_two(grid)
+    grid[63, 56] = 2.0**-7 * 1.5
+    assert not scales_are_powers_of_two(grid)
+
+
+def test_ue8m0_quantization_rounds_each_scale_up_to_a_power_of_two() -> None:
+    w = torch.randn(300, 260, generator=torch.Generator().manual_seed(0)) * 3
+    q, scale = quantize_fp8_reference(w, pow2_scales=True)
+    exact_q, exact = quantize_fp8_reference(w)
+    assert scales_are_powers_of_two(scale) and not scales_are_powers_of_two(exact)
+    # Rounded up (never down, so no block overflows e4m3), by less than a factor of two.
+    assert ((scale >= exact) & (scale < 2 * exact)).all()
+    assert q.dtype == FP8_DTYPE and torch.isfinite(q.float()).all()
+    # Each element within e4m3's relative step of its block's largest value.
+    err = (dequantize_fp8_reference(q, scale) - w).abs()
+    assert (
+        err
+        <= w.abs() / 16
+        + scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :260] * 2.0**-9
+    ).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [DECODE_CONFIG, PREFILL_CONFIG], ids=["decode", "prefill"])
+@pytest.mark.parametrize("num_tokens,num_local,num_total,first_expert,top_k", FP8_CASES)
+def test_pow2_grouped_moe_matches_the_twin(
+    dtype, config, num_tokens, num_local, num_total, first_expert, top_k
+) -> None:
+    """Scales that differ per block, per part (gate ~1e-3, up ~1) and per expert, all powers of
+    two: the POW2_SCALES kernels equal the twin, and so the per-element kernels."""
+    hidden, intermediate = 300, 160
+    w13, w2, w13_scale, w2_scale = fp8_experts(num_local, hidden, intermediate, seed=num_tokens)
+    w13_scale, w2_scale = to_powers_of_two(w13_scale), to_powers_of_two(w2_scale)
+    assert scales_are_powers_of_two(w13_scale) and scales_are_powers_of_two(w2_scale)
+    assert len(w13_scale.unique()) > 4  # not one scale everywhere
+    weights, ids = routes(num_tokens, num_total, top_k, seed=num_tokens)
+    x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+    expected = grouped_moe_reference(x, w13, w2, weights, ids, first_expert, **scales)
+    fast = grouped_moe_triton(
+        x, w13, w2, weights, ids, first_expert, **scales, config=config, pow2_scales=True
+    )
+    assert_close(fast, expected)
+    per_element = grouped_moe_triton(
+        x, w13, w2, weights, ids, first_expert, **scales, config=config
+    )
+    assert_close(fast, per_element)
+    assert expected.float().abs().max() > 0
+    # The path reads the scales: the up grid's scales halved, the output moves.
+    halved = grouped_moe_triton(
+        x,
+        w13,
+        w2,
+        weights,
+        ids,
+        first_expert,
+        w13_scale=torch.stack([w13_scale[:, 0], w13_scale[:, 1] / 2], 1),
+        w2_scale=w2_scale,
+        config=config,
+        pow2_scales=True,
+    )
+    assert (halved.float() - fast.float()).abs().max() > 0.1 * fast.float().abs().max()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_rows,out_features,in_features,config",
+    [
+        (1, 300, 1000, DECODE_LINEAR),  # split K, partial edge blocks both ways
+        (5, 130, 7168, DECODE_LINEAR),  # many splits
+        (3, 256, 384, Fp8TileConfig(16, 64, 4, 2, split_target=1)),  # one split
+        (70, 200, 260, PREFILL_LINEAR),  # a tall tile: the per-element path
+    ],
+)
+def test_pow2_fp8_linear_matches_the_twin(
+    dtype, num_rows, out_features, in_features, config
+) -> None:
+    gen = torch.Generator().manual_seed(num_rows)
+    w = torch.randn(out_features, in_features, generator=gen) * in_features**-0.5
+    weight, scale = quantize_fp8_reference(w, pow2_scales=True)
+    scale = scale * torch.exp2(torch.randint(-3, 4, scale.shape, generator=gen).float())
+    assert scales_are_powers_of_two(scale) and len(scale.unique()) > 2
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = torch.randn(num_rows, in_features, generator=gen).to(dtype).to(DEVICE)
+    expected = fp8_linear_reference(x, weight, scale)
+    fast = fp8_linear_triton(x, weight, scale, config=config, pow2_scales=True)
+    assert_close(fast, expected)
+    assert_close(fast, fp8_linear_triton(x, weight, scale, config=config))
+    # The path reads the scales: one block's scale doubled moves that block's outputs only.
+    doubled = scale.clone()
+    doubled[0, 0] *= 2
+    moved = fp8_linear_triton(x, weight, doubled, config=config, pow2_scales=True)
+    diff = (moved.float() - fast.float()).abs().amax(0)
+    assert diff[:128].max() > 0 and diff[128:].max() == 0
