@@ -6,15 +6,18 @@ dequantized in registers) and w8a8 (kernels/fp8_gemm.py, activations quantized p
 then FP8 x FP8 tensor cores; the time includes the quantization), and the same w8a8 product on
 cuBLASLt's block-scaled GEMM (kernels/fp8_cublaslt.py) with its error against the twin.
 
---sweep: for each projection and M in SWEEP_TOKENS, a small grid of tile configs of both kernels;
-prints the best per (projection, M), then dict literals to paste into kernels/fp8_linear.py
-(W8A16_CONFIGS) and kernels/fp8_gemm.py (W8A8_CONFIGS, W8A8_MIN_TOKENS): per M the config with the
-smallest geometric mean over the projections of its time / that projection's best time.
-Every time is a CUDA graph of back-to-back calls replayed (launch overhead excluded).
+--sweep: for each projection and M in SWEEP_TOKENS, a small grid of tile configs of both kernels
+(w8a16 on UE8M0 scales, as DeepSeek-V3.2 ships them); prints the best per (projection, M), then
+dict literals to paste into kernels/fp8_linear.py (W8A16_CONFIGS) and kernels/fp8_gemm.py
+(W8A8_CONFIGS, W8A8_MIN_TOKENS): per M the config with the smallest geometric mean over the
+projections of its time / that projection's best time.
+Every time is a CUDA graph of back-to-back calls replayed, the median of five replays (launch
+overhead excluded).
 
 Both tables add w8a16 on the same weights with UE8M0 scales (each a power of two, as
 DeepSeek-V3.1 and later ship them), where the kernels scale each k step's product instead of
-every weight element (`pow2_scales`).
+every weight element (`pow2_scales`); one row with them takes the CUDA-core kernel (the table
+shows the tensor-core kernel's time beside it in brackets; the sweep tunes W8A16_GEMV_CONFIG).
 
 --moe: the routed experts of one DeepSeek-V3.2 MoE layer (256 FP8 experts, hidden 7168,
 intermediate 2048, top-8 of random router logits) at 512 / 2048 / 8192 tokens: w8a16
@@ -44,7 +47,13 @@ from kernels.fp8 import (
 from kernels.fp8_act_quant import quantize_activations_triton
 from kernels.fp8_cublaslt import cublaslt_block_scaled, cublaslt_shape_ok, fp8_gemm_cublaslt
 from kernels.fp8_gemm import fp8_linear_w8a8_triton
-from kernels.fp8_linear import Fp8TileConfig, fp8_linear_triton
+from kernels.fp8_linear import (
+    W8A16_CONFIGS,
+    Fp8GemvConfig,
+    Fp8TileConfig,
+    config_for_rows,
+    fp8_linear_triton,
+)
 from kernels.moe_experts import GroupedGemmConfig, grouped_moe_triton
 from kernels.moe_experts_w8a8 import grouped_moe_w8a8_triton
 from kernels.moe_routing import moe_route_triton
@@ -66,9 +75,10 @@ W8A16_WARPS_STAGES = ((4, 3), (4, 4), (4, 5), (8, 4))
 W8A8_WARPS_STAGES = ((4, 3), (4, 4), (8, 3), (8, 4))
 
 
-def graph_us(fn, reps: int | None = None) -> float:
-    """Mean time of `fn` replayed from a CUDA graph of back-to-back calls. Without `reps`, as
-    many calls as make about 2 ms (3 to 50), so a sweep's slow configs cost little."""
+def graph_us(fn, reps: int | None = None, replays: int = 5) -> float:
+    """Time of one call of `fn`: a CUDA graph of `reps` back-to-back calls replayed `replays`
+    times, the median replay's mean. Without `reps`, as many calls as make about 2 ms (3 to
+    50), so a sweep's slow configs cost little."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -84,22 +94,36 @@ def graph_us(fn, reps: int | None = None) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    times = []
+    for _ in range(replays):  # the median replay: one slow replay does not move it
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
 
 
 def w8a16_candidates(num_tokens: int) -> list[Fp8TileConfig]:
     block_m = 16 if num_tokens <= 16 else 64
-    splits = (132, 264, 528) if num_tokens <= 128 else (1, 132)
+    if num_tokens <= 16:
+        splits = (132, 264, 528, 1056)
+    else:
+        splits = (132, 264, 528) if num_tokens <= 128 else (1, 132)
     return [
         Fp8TileConfig(block_m, block_n, warps, stages, split)
         for block_n, (warps, stages), split in itertools.product(
             (32, 64, 128), W8A16_WARPS_STAGES, splits
         )
     ]
+
+
+GEMV_CANDIDATES = [
+    Fp8GemvConfig(block_n, block_k, warps, split)
+    for block_n, block_k, warps, split in itertools.product(
+        (16, 32, 64), (256, 512), (4, 8), (264, 528, 1056)
+    )
+]
 
 
 def w8a8_candidates(num_tokens: int) -> list[Fp8TileConfig]:
@@ -163,14 +187,15 @@ def table(shapes: dict, tokens: list[int], bw: float) -> None:
         for t in tokens:
             x = torch.randn(t, k, dtype=torch.bfloat16, device="cuda")
             w8a16 = graph_us(partial(fp8_linear_triton, x, weight, scale), reps=50)
-            ue8m0 = graph_us(
-                partial(fp8_linear_triton, x, weight_ue8m0, scale_ue8m0, pow2_scales=True),
-                reps=50,
-            )
+            ue8m0_fn = partial(fp8_linear_triton, x, weight_ue8m0, scale_ue8m0, pow2_scales=True)
+            ue8m0 = f"{graph_us(ue8m0_fn, reps=50):.1f}"
+            if t == 1:  # the one-row kernel; in brackets the tensor-core kernel it replaces
+                tiles = partial(ue8m0_fn, config=config_for_rows(1, W8A16_CONFIGS))
+                ue8m0 += f" ({graph_us(tiles, reps=50):.1f})"
             w8a8 = graph_us(partial(fp8_linear_w8a8_triton, x, weight, scale), reps=50)
             bf16, scaled = peers_us(x, w_bf16, weight)
             print(
-                f"| {name} | {t} | {w8a16:.1f} | {ue8m0:.1f} | {w8a8:.1f} "
+                f"| {name} | {t} | {w8a16:.1f} | {ue8m0} | {w8a8:.1f} "
                 f"| {floor_us(n, k, t, bw):.1f} | {bf16:.1f} | {scaled:.1f} "
                 f"| {cublaslt_us(x, weight, scale)} |",
                 flush=True,
@@ -204,17 +229,27 @@ def sweep(shapes: dict, tokens: list[int], bw: float) -> None:
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda") * k**-0.5
         weight, scale = quantize_fp8_reference(w)
+        # w8a16 is tuned on UE8M0 scales where its kernel takes them (decode tiles), the scales
+        # DeepSeek-V3.1 and later ship; elsewhere the kernel is the same for both.
+        weight_ue8m0, scale_ue8m0 = quantize_fp8_reference(w, pow2_scales=True)
+        w8a16_ue8m0 = partial(fp8_linear_triton, pow2_scales=True)
         w_bf16 = w.bfloat16()
         for t in tokens:
             x = torch.randn(t, k, dtype=torch.bfloat16, device="cuda")
             row: dict = {"w8a16": {}, "w8a8": {}}
-            for kernel, fn, candidates in (
-                ("w8a16", fp8_linear_triton, w8a16_candidates(t)),
-                ("w8a8", fp8_linear_w8a8_triton, w8a8_candidates(t)),
-            ):
+            kernels = [
+                ("w8a16", w8a16_ue8m0, (weight_ue8m0, scale_ue8m0), w8a16_candidates(t)),
+                ("w8a8", fp8_linear_w8a8_triton, (weight, scale), w8a8_candidates(t)),
+            ]
+            if t == 1:  # the one-row CUDA-core kernel (UE8M0 scales only)
+                row["one-row"] = {}
+                kernels.append(
+                    ("one-row", w8a16_ue8m0, (weight_ue8m0, scale_ue8m0), GEMV_CANDIDATES)
+                )
+            for kernel, fn, (wt, sc), candidates in kernels:
                 for config in candidates:
                     try:
-                        fn_config = partial(fn, x, weight, scale, config=config)
+                        fn_config = partial(fn, x, wt, sc, config=config)
                         row[kernel][config] = graph_us(fn_config)
                     except Exception as error:  # OutOfResources and friends: not this config
                         print(f"  skipped {kernel} {config}: {type(error).__name__}")
@@ -227,7 +262,9 @@ def sweep(shapes: dict, tokens: list[int], bw: float) -> None:
                 f"| {floor_us(n, k, t, bw):.1f} | {bf16:.1f} | {scaled:.1f} |",
                 flush=True,
             )
-        del w, weight, scale, w_bf16
+            if "one-row" in best:
+                print(f"|  | one-row | {best['one-row'][1]:.1f} | {best['one-row'][0]} |")
+        del w, weight, scale, weight_ue8m0, scale_ue8m0, w_bf16
         torch.cuda.empty_cache()
 
     # One config per M over all the shapes, and where w8a8 starts to win.
@@ -257,6 +294,10 @@ def sweep(shapes: dict, tokens: list[int], bw: float) -> None:
     for t, c in picks["w8a8"].items():
         print(f"    {t}: {c!r},")
     print("}")
+    if 1 in tokens:
+        pick = _nearest_every_best([results[(name, 1)]["one-row"] for name in shapes])
+        total = sum(results[(name, 1)]["one-row"][pick] for name in shapes)
+        print(f"W8A16_GEMV_CONFIG = {pick!r}  # one row: {total:.1f} us over the projections")
     if min_tokens is None:
         print("# W8A8_MIN_TOKENS: w8a8 never stayed ahead of w8a16 up to the largest M swept")
     else:

@@ -224,12 +224,138 @@ def _fp8_linear_kernel(
     )
 
 
-def split_k(num_tiles: int, in_features: int, split_target: int) -> tuple[int, int]:
-    """(splits, K per split, a multiple of 128) so that num_tiles x splits is about
-    split_target programs; every split has at least one 128-wide block."""
-    k_blocks = -(-in_features // FP8_BLOCK)
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    """A launch config of the one-row kernel (`_fp8_gemv_kernel`)."""
+
+    block_n: int
+    block_k: int  # a multiple of 128: block_k // 128 scale blocks per step
+    num_warps: int
+    split_target: int  # as Fp8TileConfig's
+
+
+# One row with UE8M0 scales (a decode step of one sequence without MTP) on CUDA cores instead of
+# tensor cores: a [BLOCK_N, BLOCK_K] FP8 tile times the row, summed per 128-block, each block's
+# sum times its scale. The tensor-core kernel pads the row to a 16-row tile and converts every
+# weight for it; this one reads the same bytes with nothing to pad. On the H200 (2026-12-01,
+# UE8M0, us, tensor-core kernel / this): q_a+kv_a 9.1 / 6.2, q_b 11.3 / 8.5, o_proj 43.6 / 31.4,
+# dense gate+up 74.6 / 65.0, down 49.2 / 35.9 (HBM floor 31.1), a shared expert's gate+up 13.1 /
+# 8.0. From two rows the tensor cores win (o_proj 49.1 / 52.8 at 2 rows, 49.2 / 90.7 at 4), and
+# with per-element (amax) scales the rounding of each dequantized weight costs what it saves.
+W8A16_GEMV_CONFIG = Fp8GemvConfig(block_n=32, block_k=256, num_warps=4, split_target=528)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    out_features,
+    in_features,
+    w_row_stride,
+    scale_row_stride,
+    k_per_split,
+    num_splits,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
+    split = tl.program_id(1)
+    col_mask = cols < out_features
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, in_features)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * w_row_stride
+    scale_rows = scale_ptr + (cols // SCALE_BLOCK)[:, None] * scale_row_stride
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < k_end
+        w = tl.load(w_rows + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        product = w.to(tl.float32) * x[None, :]  # [BLOCK_N, BLOCK_K]
+        sums = tl.sum(tl.reshape(product, [BLOCK_N, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK]), axis=2)
+        blocks = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
+        scale = tl.load(
+            scale_rows + blocks[None, :],
+            mask=col_mask[:, None] & (blocks * SCALE_BLOCK < k_end)[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K // 128]
+        acc += tl.sum(sums * scale, axis=1)  # a power of two times a sum: exact
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    store_split_k(
+        acc,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        cols,  # out and partials: [1, N]
+        col_mask,
+        tl.program_id(0),
+        split,
+        num_splits,
+        out_features,
+        SPLIT_K,
+    )
+
+
+def _fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    config: Fp8GemvConfig,
+) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    if config.block_k % FP8_BLOCK:
+        raise ValueError(f"block_k {config.block_k} is not a multiple of {FP8_BLOCK}")
+    num_tiles = triton.cdiv(out_features, config.block_n)
+    num_splits, k_per_split = split_k(num_tiles, in_features, config.split_target, config.block_k)
+    partial, counters = out, out
+    if num_splits > 1:
+        partial = torch.empty(num_splits, 1, out_features, dtype=torch.float32, device=x.device)
+        counters = tile_counters(x.device, num_tiles)
+    launch(
+        _fp8_gemv_kernel,
+        (num_tiles, num_splits),
+        x,
+        x,
+        weight,
+        scale_inv,
+        out,
+        partial,
+        counters,
+        out_features,
+        in_features,
+        weight.stride(0),
+        scale_inv.stride(0),
+        k_per_split,
+        num_splits,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SCALE_BLOCK=FP8_BLOCK,
+        SPLIT_K=num_splits > 1,
+        num_warps=config.num_warps,
+        num_stages=1,
+    )
+    return out
+
+
+def split_k(
+    num_tiles: int, in_features: int, split_target: int, block_k: int = FP8_BLOCK
+) -> tuple[int, int]:
+    """(splits, K per split, a multiple of block_k) so that num_tiles x splits is about
+    split_target programs; every split has at least one block_k-wide step."""
+    k_blocks = -(-in_features // block_k)
     num_splits = max(1, min(k_blocks, -(-split_target // num_tiles)))
-    k_per_split = -(-k_blocks // num_splits) * FP8_BLOCK
+    k_per_split = -(-k_blocks // num_splits) * block_k
     return -(-in_features // k_per_split), k_per_split
 
 
@@ -237,14 +363,16 @@ def fp8_linear_triton(
     x: torch.Tensor,  # [T, in_features]
     weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
     scale_inv: torch.Tensor,  # [ceil(out/128), ceil(in/128)] float32
-    config: Fp8TileConfig | None = None,
+    config: Fp8TileConfig | Fp8GemvConfig | None = None,
     pow2_scales: bool = False,
 ) -> torch.Tensor:
     """Triton twin of `kernels.fp8.fp8_linear_reference`: [T, out_features] in x's dtype.
     `pow2_scales`: the caller's promise that every scale is a power of two (UE8M0, as
     DeepSeek-V3.1 and later ship them): the scale then multiplies each k step's fp32 product
     instead of every weight element, the same numbers (a power of two times a value is exact)
-    up to the fp32 summation order, with fewer instructions per weight element."""
+    up to the fp32 summation order, with fewer instructions per weight element. One row with
+    such scales takes the CUDA-core kernel (`W8A16_GEMV_CONFIG`) unless `config` says otherwise;
+    an `Fp8GemvConfig` takes one row with power-of-two scales only."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
     check_tensor("weight", weight, ndim=2, dtypes=(FP8_DTYPE,), device=device)
@@ -261,6 +389,15 @@ def fp8_linear_triton(
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=device)
     if num_rows == 0:
         return out
+    if config is None and num_rows == 1 and pow2_scales:
+        config = W8A16_GEMV_CONFIG
+    if isinstance(config, Fp8GemvConfig):
+        if num_rows != 1 or not pow2_scales:
+            raise ValueError(
+                f"the one-row kernel takes 1 row with power-of-two scales, not {num_rows} rows"
+                f"{'' if pow2_scales else ' without pow2_scales'}"
+            )
+        return _fp8_gemv(x, weight, scale_inv, out, config)
     if config is None:
         config = config_for_rows(num_rows, W8A16_CONFIGS)
     tiles_m = triton.cdiv(num_rows, config.block_m)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import fp8_linear
 from kernels.fp8 import (
     FP8_DTYPE,
     dequantize_fp8_reference,
@@ -17,7 +18,13 @@ from kernels.fp8 import (
 )
 from kernels.fp8_linear import DECODE_CONFIG as DECODE_LINEAR
 from kernels.fp8_linear import PREFILL_CONFIG as PREFILL_LINEAR
-from kernels.fp8_linear import Fp8TileConfig, fp8_linear_triton
+from kernels.fp8_linear import (
+    W8A16_GEMV_CONFIG,
+    Fp8GemvConfig,
+    Fp8TileConfig,
+    fp8_linear_triton,
+    split_k,
+)
 from kernels.moe_experts import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
@@ -135,3 +142,72 @@ def test_pow2_fp8_linear_matches_the_twin(
     moved = fp8_linear_triton(x, weight, doubled, config=config, pow2_scales=True)
     diff = (moved.float() - fast.float()).abs().amax(0)
     assert diff[:128].max() > 0 and diff[128:].max() == 0
+
+
+def _pow2_linear(out_features: int, in_features: int, seed: int):
+    """An FP8 weight with UE8M0 scales spread over 2^-3 .. 2^3 of amax's."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen) * in_features**-0.5
+    weight, scale = quantize_fp8_reference(w, pow2_scales=True)
+    scale = scale * torch.exp2(torch.randint(-3, 4, scale.shape, generator=gen).float())
+    assert scales_are_powers_of_two(scale) and len(scale.unique()) > 2
+    return weight.to(DEVICE), scale.to(DEVICE), gen
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "out_features,in_features,config",
+    [
+        (300, 1000, Fp8GemvConfig(32, 256, 4, split_target=40)),  # split, edges both ways
+        (130, 7168, Fp8GemvConfig(64, 512, 4, split_target=64)),  # many splits of 4 blocks
+        (256, 384, Fp8GemvConfig(32, 128, 4, split_target=1)),  # one split
+        (576, 7168, W8A16_GEMV_CONFIG),  # kv_a's rows: a partial last scale block
+    ],
+)
+def test_one_row_kernel_matches_the_twin(dtype, out_features, in_features, config) -> None:
+    weight, scale, gen = _pow2_linear(out_features, in_features, seed=out_features)
+    x = torch.randn(1, in_features, generator=gen).to(dtype).to(DEVICE)
+    got = fp8_linear_triton(x, weight, scale, config=config, pow2_scales=True)
+    assert_close(got, fp8_linear_reference(x, weight, scale))
+    assert torch.equal(fp8_linear_triton(x, weight, scale, config=config, pow2_scales=True), got)
+    # The kernel reads each block's scale: one doubled moves that block's outputs only.
+    doubled = scale.clone()
+    doubled[0, -1] *= 2
+    moved = fp8_linear_triton(x, weight, doubled, config=config, pow2_scales=True)
+    diff = (moved.float() - got.float()).abs()[0]
+    assert diff[:128].max() > 0 and diff[128:].max() == 0
+    counters = fp8_linear._TILE_COUNTERS.get(x.device)
+    assert counters is None or int(counters.count_nonzero()) == 0
+
+
+@needs_triton
+def test_one_row_with_pow2_scales_takes_the_cuda_core_kernel_and_no_other(monkeypatch) -> None:
+    """The launcher's choice: one row with pow2_scales goes to the one-row kernel; more rows, or
+    per-element scales, go to the tensor-core kernel; a GEMV config elsewhere is refused."""
+    weight, scale, gen = _pow2_linear(200, 700, seed=1)
+    calls = []
+    real = fp8_linear._fp8_gemv
+    monkeypatch.setattr(
+        fp8_linear, "_fp8_gemv", lambda *args: calls.append(args[-1]) or real(*args)
+    )
+    one, two = (torch.randn(rows, 700, generator=gen).to(DEVICE) for rows in (1, 2))
+    assert_close(
+        fp8_linear_triton(one, weight, scale, pow2_scales=True),
+        fp8_linear_reference(one, weight, scale),
+    )
+    assert calls == [W8A16_GEMV_CONFIG]
+    fp8_linear_triton(two, weight, scale, pow2_scales=True)
+    fp8_linear_triton(one, weight, scale)
+    assert calls == [W8A16_GEMV_CONFIG]
+    for x, pow2 in ((two, True), (one, False)):
+        with pytest.raises(ValueError, match="one-row kernel"):
+            fp8_linear_triton(x, weight, scale, config=W8A16_GEMV_CONFIG, pow2_scales=pow2)
+
+
+def test_the_one_row_kernels_splits_are_whole_steps() -> None:
+    """Its K splits are in block_k steps: 7168 is 28 steps of 256; 66 tiles for 528 programs
+    want 8 splits, so 4 steps each, which 7 splits cover."""
+    assert split_k(66, 7168, 528, 256) == (7, 1024)
+    assert split_k(66, 7168, 528) == (8, 896)  # 128-wide, the tensor-core kernel's
+    assert split_k(4, 7168, 1, 256) == (1, 7168)
