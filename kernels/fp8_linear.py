@@ -237,12 +237,13 @@ class Fp8GemvConfig:
 # One row with UE8M0 scales (a decode step of one sequence without MTP) on CUDA cores instead of
 # tensor cores: a [BLOCK_N, BLOCK_K] FP8 tile times the row, summed per 128-block, each block's
 # sum times its scale. The tensor-core kernel pads the row to a 16-row tile and converts every
-# weight for it; this one reads the same bytes with nothing to pad. On the H200 (2026-12-01,
-# UE8M0, us, tensor-core kernel / this): q_a+kv_a 9.1 / 6.2, q_b 11.3 / 8.5, o_proj 43.6 / 31.4,
-# dense gate+up 74.6 / 65.0, down 49.2 / 35.9 (HBM floor 31.1), a shared expert's gate+up 13.1 /
-# 8.0. From two rows the tensor cores win (o_proj 49.1 / 52.8 at 2 rows, 49.2 / 90.7 at 4), and
-# with per-element (amax) scales the rounding of each dequantized weight costs what it saves.
-W8A16_GEMV_CONFIG = Fp8GemvConfig(block_n=32, block_k=256, num_warps=4, split_target=528)
+# weight for it; this one reads the same bytes with nothing to pad. Picked by
+# `benchmarks/bench_fp8_linear.py --sweep --tokens 1` on the H200 (2026-12-01): 160.4 us over
+# DeepSeek-V3.2's projections against 204.0 for the tensor-core kernel's best (BENCHMARKS.md,
+# session 14). From two rows the tensor cores win (o_proj 49.1 / 52.8 us at 2 rows, 49.2 / 90.7
+# at 4), and with per-element (amax) scales the rounding of each dequantized weight costs what
+# it saves.
+W8A16_GEMV_CONFIG = Fp8GemvConfig(block_n=32, block_k=512, num_warps=4, split_target=528)
 
 
 @triton.jit
