@@ -43,6 +43,7 @@ from kernels.fp8 import (
     fp8_linear_act_quant_reference,
     quantize_fp8_reference,
     scale_grid,
+    to_fp8,
 )
 from kernels.fp8_act_quant import quantize_activations_triton
 from kernels.fp8_cublaslt import cublaslt_block_scaled, cublaslt_shape_ok, fp8_gemm_cublaslt
@@ -323,8 +324,8 @@ def moe_experts(num_experts: int = MOE_EXPERTS) -> tuple[torch.Tensor, ...]:
     w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE, device="cuda")
     w2 = torch.empty(num_experts, hidden, inter, dtype=FP8_DTYPE, device="cuda")
     for e in range(num_experts):
-        w13[e] = (torch.randn(w13.shape[1:], generator=gen, device="cuda") * 64).to(FP8_DTYPE)
-        w2[e] = (torch.randn(w2.shape[1:], generator=gen, device="cuda") * 64).to(FP8_DTYPE)
+        w13[e] = to_fp8(torch.randn(w13.shape[1:], generator=gen, device="cuda") * 64)
+        w2[e] = to_fp8(torch.randn(w2.shape[1:], generator=gen, device="cuda") * 64)
     grid_13, grid_2 = scale_grid(inter, hidden), scale_grid(hidden, inter)
     w13_scale = torch.rand(num_experts, 2, *grid_13, generator=gen, device="cuda") * 3e-4 + 1e-4
     w2_scale = torch.rand(num_experts, *grid_2, generator=gen, device="cuda") * 3e-4 + 1e-4

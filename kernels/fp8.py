@@ -16,6 +16,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 
 
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x in e4m3, saturated at +-448: a plain cast past the range gives 448 on CPU and NaN on
+    CUDA (PyTorch 2.11)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def _div(x: torch.Tensor, divisor: float) -> torch.Tensor:
     """x / divisor correctly rounded on every device (PyTorch's CUDA division by a Python
     scalar multiplies by its reciprocal, which can differ in the last bit)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import ops
-from kernels.fp8 import FP8_DTYPE, scale_grid, scales_are_powers_of_two
+from kernels.fp8 import FP8_DTYPE, scale_grid, scales_are_powers_of_two, to_fp8
 from kernels.fp8_gemm import W8A8_MIN_TOKENS
 from kernels.moe_experts import (
     grouped_moe_reference,
@@ -52,8 +52,8 @@ def _fp8_experts(num_local: int, intermediate: int, seed: int = 0):
     w13 = torch.empty(num_local, 2 * intermediate, HIDDEN, dtype=FP8_DTYPE, device=CUDA)
     w2 = torch.empty(num_local, HIDDEN, intermediate, dtype=FP8_DTYPE, device=CUDA)
     for e in range(num_local):
-        w13[e] = (torch.randn(w13.shape[1:], generator=gen, device=CUDA) * 64).to(FP8_DTYPE)
-        w2[e] = (torch.randn(w2.shape[1:], generator=gen, device=CUDA) * 64).to(FP8_DTYPE)
+        w13[e] = to_fp8(torch.randn(w13.shape[1:], generator=gen, device=CUDA) * 64)
+        w2[e] = to_fp8(torch.randn(w2.shape[1:], generator=gen, device=CUDA) * 64)
     grid_13 = scale_grid(intermediate, HIDDEN)
     w13_scale = (torch.rand(num_local, 2, *grid_13, generator=gen, device=CUDA) + 0.5) * 0.02 / 64
     w13_scale[:, 1] *= 4  # the up grid differs from the gate grid
