@@ -31,8 +31,8 @@ from kernels.fp8_linear import (
     Fp8TileConfig,
     config_for_rows,
     split_k,
+    split_k_workspace,
     store_split_k,
-    tile_counters,
 )
 from kernels.launch import check_tensor, launch
 from kernels.platform import tl, triton, triton_interpreter
@@ -197,12 +197,7 @@ def fp8_gemm_triton(
         config = config_for_rows(num_rows, W8A8_CONFIGS)
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_features, config.block_n)
     num_splits, k_per_split = split_k(num_tiles, in_features, config.split_target)
-    partial, counters = out, out  # one split: stored as they are, no workspace, no counters
-    if num_splits > 1:
-        partial = torch.empty(
-            num_splits, num_rows, out_features, dtype=torch.float32, device=device
-        )
-        counters = tile_counters(device, num_tiles)
+    partial, counters = split_k_workspace(out, num_splits, num_tiles)
     launch(
         _fp8_gemm_kernel,
         (num_tiles, num_splits),

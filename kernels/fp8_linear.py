@@ -108,6 +108,17 @@ def tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
     return counters
 
 
+def split_k_workspace(
+    out: torch.Tensor, num_splits: int, num_tiles: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials [S, *out.shape] fp32, the device's tile counters) for `store_split_k`; one
+    split stores the output as it is and needs neither (out stands in for both)."""
+    if num_splits == 1:
+        return out, out
+    partial = torch.empty(num_splits, *out.shape, dtype=torch.float32, device=out.device)
+    return partial, tile_counters(out.device, num_tiles)
+
+
 @triton.jit
 def store_split_k(
     acc,
@@ -319,10 +330,7 @@ def _fp8_gemv(
         raise ValueError(f"block_k {config.block_k} is not a multiple of {FP8_BLOCK}")
     num_tiles = triton.cdiv(out_features, config.block_n)
     num_splits, k_per_split = split_k(num_tiles, in_features, config.split_target, config.block_k)
-    partial, counters = out, out
-    if num_splits > 1:
-        partial = torch.empty(num_splits, 1, out_features, dtype=torch.float32, device=x.device)
-        counters = tile_counters(x.device, num_tiles)
+    partial, counters = split_k_workspace(out, num_splits, num_tiles)
     launch(
         _fp8_gemv_kernel,
         (num_tiles, num_splits),
@@ -405,12 +413,7 @@ def fp8_linear_triton(
     tiles_n = triton.cdiv(out_features, config.block_n)
     num_tiles = tiles_m * tiles_n
     num_splits, k_per_split = split_k(num_tiles, in_features, config.split_target)
-    partial, counters = out, out  # one split: stored as they are, no workspace, no counters
-    if num_splits > 1:
-        partial = torch.empty(
-            num_splits, num_rows, out_features, dtype=torch.float32, device=device
-        )
-        counters = tile_counters(device, num_tiles)
+    partial, counters = split_k_workspace(out, num_splits, num_tiles)
     launch(
         _fp8_linear_kernel,
         (tiles_m, tiles_n, num_splits),
