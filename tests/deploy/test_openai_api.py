@@ -306,8 +306,27 @@ def _wait_for_idle_engine(model_server, timeout_s: float = 30.0) -> dict:
         time.sleep(0.2)
 
 
+def _wait_for_busy_engine(model_server, timeout_s: float = 30.0) -> dict:
+    """The engine's stats once they show one request running and holding KV blocks. They are
+    a snapshot the engine process sends every `STATS_PERIOD_S`, so a request that has already
+    streamed tokens may not be in them yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = model_server.engine_stats.remote().result()
+        busy = stats["num_running"] + stats["num_waiting"] == 1
+        if busy and stats["num_free_blocks"] < stats["num_total_blocks"]:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the request not seen running after {timeout_s} s: {stats}")
+        time.sleep(0.05)
+
+
 def test_disconnect_mid_stream_frees_blocks(serve_url, served_model, model_server):
-    _wait_for_idle_engine(model_server)
+    """A client that closes the stream aborts its request: the engine frees its blocks and
+    counts it aborted, not finished at its length."""
+    stats = _wait_for_idle_engine(model_server)
+    aborted = stats["num_finished"].get("abort", 0)
+    finished_by_length = stats["num_finished"].get("length", 0)
     body = {
         "model": served_model["id"],
         "messages": CHAT,  # no max_tokens: the rest of the context
@@ -324,12 +343,13 @@ def test_disconnect_mid_stream_frees_blocks(serve_url, served_model, model_serve
                 data_lines += line.startswith("data: ")
                 if data_lines == 4:
                     break
-            busy = model_server.engine_stats.remote().result()
-            assert busy["num_running"] + busy["num_waiting"] == 1
-            assert busy["num_free_blocks"] < busy["num_total_blocks"]
+            # The reply is the rest of the context (4096 tokens): seconds of decoding at least.
+            _wait_for_busy_engine(model_server)
         # Leaving the `with` closes the connection mid-stream.
     stats = _wait_for_idle_engine(model_server)
     assert stats["kv_usage"] == 0
+    assert stats["num_finished"].get("abort", 0) == aborted + 1
+    assert stats["num_finished"].get("length", 0) == finished_by_length
 
 
 def test_disconnect_before_a_whole_answer_aborts_it(serve_url, served_model, model_server):
