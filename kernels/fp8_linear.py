@@ -57,10 +57,13 @@ DECODE_CONFIG = Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
 PREFILL_CONFIG = Fp8TileConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
 # By rows: the first entry whose key is >= M, the last for any larger M (`config_for_rows`).
 # Tuned on the H200 (2026-11-30): `benchmarks/bench_fp8_linear.py --sweep`, the config nearest
-# every DeepSeek-V3.2 projection's best per row count.
+# every DeepSeek-V3.2 projection's best per row count. 2-16 rows retuned (2026-12-02) after split
+# K moved into the GEMM's launch and UE8M0 scales: splitting to 528 programs took o_proj from
+# 49.4 to 37.2 us and the dense down projection from 55.3 to 41.7 at 8 rows (q_b, 384 tiles
+# unsplit before, 11.6 to 12.8); BENCHMARKS.md, session 15.
 W8A16_CONFIGS: dict[int, Fp8TileConfig] = {
     1: Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, split_target=264),
-    16: Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, split_target=132),
+    16: Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, split_target=528),
     32: Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=132),
     64: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
     128: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
