@@ -9,7 +9,9 @@ id is ever dereferenced, so the tables can be as long as the context asks for a 
 not exist); what is left is what the runner itself does each step: building the step's tensors
 and host-to-device copies, copying them into the decode graph's static inputs, launching the
 graph, the argmax and its device-to-host copy, the acceptance loop and the results. The figure
-is the time the GPU waits for the host in a real step.
+is the time the GPU waits for the host in a real step. The timed steps send no block-table
+entries (the runner holds the tables from the row's first step), as a decode step that allocates
+no block does.
 
 Paths: `graph` (the default) is the CUDA-graph decode path. On CUDA the graph is really captured
 and replayed (it holds only what the runner adds around the model, nothing of the model); on CPU,
@@ -122,17 +124,21 @@ def build_runner(device: torch.device, path: str, max_batch: int, max_rows: int,
     return runner
 
 
-def decode_step(batch: int, context: int, drafts: int, vocab: int) -> StepInput:
+def decode_step(batch: int, context: int, drafts: int, vocab: int, held: bool) -> StepInput:
+    """`held`: the runner holds the tables from an earlier step, so the step sends none of
+    their entries (as the engine sends a decode step that allocates no block); else every
+    table whole (a request's first step)."""
     blocks_per_seq = (context + drafts) // BLOCK + 1
     seqs = [
         SeqWork(
             f"r{b}",
             [(7 * b + j) % vocab for j in range(drafts + 1)],
             context,
-            list(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq)),
+            [] if held else list(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq)),
             drafts,
             True,
             SamplingSpec(),
+            block_table_start=blocks_per_seq if held else 0,
         )
         for b in range(batch)
     ]
@@ -157,7 +163,8 @@ def main() -> None:
     print("|---|---|" + "---|" * (len(PHASES) + 1))
     for batch in BATCHES:
         for context in CONTEXTS:
-            step = decode_step(batch, context, args.drafts, vocab)
+            runner.execute(decode_step(batch, context, args.drafts, vocab, held=False))
+            step = decode_step(batch, context, args.drafts, vocab, held=True)
             for _ in range(10):
                 runner.execute(step)
             if device.type == "cuda":

@@ -189,6 +189,8 @@ class BlockManager:
         dropped = request.block_ids[num_keep:]
         if dropped:
             del request.block_ids[num_keep:]
+            # Entries from num_keep on may hold other blocks by the next step: sent again then.
+            request.num_blocks_sent = min(request.num_blocks_sent, num_keep)
             # Last block first: a chain's tail is evicted before its head, which more requests
             # share.
             self._release(reversed(dropped))

@@ -272,15 +272,21 @@ class LLMEngine:
     def _step_input(self, scheduled: SchedulerOutput) -> StepInput:
         seqs = []
         for s in scheduled.scheduled:
+            request = s.request
+            # Only the table's entries the workers do not hold yet (a decode step: most often
+            # none): resending every table every step cost O(context) per request.
+            table_start = request.num_blocks_sent
+            request.num_blocks_sent = len(request.block_ids)
             seqs.append(
                 SeqWork(
                     request_id=s.request_id,
                     token_ids=s.token_ids,
                     start_position=s.start_position,
-                    block_ids=list(s.request.block_ids),
+                    block_ids=request.block_ids[table_start:],
                     num_draft_tokens=s.num_draft_tokens,
                     samples=s.samples,
-                    sampling=s.request.sampling_spec,
+                    sampling=request.sampling_spec,
+                    block_table_start=table_start,
                 )
             )
         finished, self._finished_ids = self._finished_ids, []

@@ -77,6 +77,9 @@ class Request:
     num_computed_tokens: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # The first entries of `block_ids` the workers hold as they are now: sent with an earlier
+    # step and not dropped since (`BlockManager.truncate`). A step sends only the rest.
+    num_blocks_sent: int = 0
     output_text: str = ""
     stop_reason: str | int | None = None  # the stop string or stop/EOS token id that matched
     num_preemptions: int = 0

@@ -55,10 +55,14 @@ class SeqWork:
     request_id: str
     token_ids: list[int]  # tokens whose KV this step computes, in order
     start_position: int  # position of token_ids[0]
-    block_ids: list[int]  # the request's whole block table
+    # The request's block table from entry `block_table_start` on. The entries before it are
+    # the ones the runner already holds from this request's earlier steps (a decode step sends
+    # the blocks allocated since the last, most often none); 0 sends the whole table.
+    block_ids: list[int]
     num_draft_tokens: int  # drafts at the end of token_ids (a verify); 0 for prefill
     samples: bool  # this step emits tokens (decode, or the prompt's last chunk)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    block_table_start: int = 0
 
 
 @dataclass

@@ -18,6 +18,7 @@ from parallel.collectives import tp_broadcast
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
+from workers.block_tables import BlockTables
 from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
 from workers.logits_processors import process_logits, record_step_tokens
 from workers.mtp_proposer import MtpProposer
@@ -61,6 +62,7 @@ class ModelRunner:
         )
         model.bind_caches(kv, idx)
         self.states: dict[str, _SeqState] = {}
+        self.block_tables = BlockTables()
         self.graphs = None
         # Steps that prefill replay the decode graph where they can (`_graph_key`); the
         # worker's warm-up turns this off for its dummy prefills, which are there to compile
@@ -92,7 +94,8 @@ class ModelRunner:
             self.proposer.forget(step.preempted_request_ids)
         if not step.seqs:
             return StepOutput([])
-        batch = self._prepare(step.seqs)
+        tables = [self.block_tables.update(s) for s in step.seqs]
+        batch = self._prepare(step.seqs, tables)
         hidden, logits, argmax = self._forward(batch)
         results = self._sample(batch, logits, argmax)
         if self.proposer is not None and step.num_draft_tokens > 0:
@@ -103,6 +106,7 @@ class ModelRunner:
     def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.states.pop(rid, None)
+        self.block_tables.forget(request_ids)
         if self.proposer is not None:
             self.proposer.forget(request_ids)
 
@@ -133,20 +137,21 @@ class ModelRunner:
                 else:
                     self.proposer.pending[s.request_id] = pending
 
-    def _prepare(self, seqs: list[SeqWork]) -> StepTensors:
+    def _prepare(self, seqs: list[SeqWork], tables: list) -> StepTensors:
         """The step's inputs, packed on the host and sent in one copy (workers.step_tensors):
-        into the decode graph's static inputs on the graph path, else a fresh device buffer."""
+        into the decode graph's static inputs on the graph path, else a fresh device buffer.
+        `tables`: each sequence's whole block table (`self.block_tables`)."""
         graphable = self._graphable(seqs)
         graph_key = self._graph_key(seqs, graphable)
         if graph_key is not None:
             layout = self.graphs.layout(*graph_key)
         else:
             num_tokens = sum(len(s.token_ids) for s in seqs)
-            layout = StepLayout(num_tokens, len(seqs), max(len(s.block_ids) for s in seqs))
+            layout = StepLayout(num_tokens, len(seqs), max(len(t) for t in tables))
         # Pinned, so the copy below is asynchronous; the host allocator keeps this buffer from
         # being reused before that copy has run.
         host = torch.empty(layout.numel, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        pack_step(seqs, self.block_size, layout, host.numpy())
+        pack_step(seqs, self.block_size, layout, host.numpy(), tables)
         if graph_key is not None:
             input_ids, positions, slots, seq_idx, tables = self.graphs.load(host, *graph_key)
         else:
@@ -162,6 +167,7 @@ class ModelRunner:
             start += len(s.token_ids)
         return StepTensors(
             seqs=seqs,
+            block_tables=tables,
             input_ids=input_ids,
             meta=AttentionMetadata(positions, slots, seq_idx, tables),
             offsets=offsets,

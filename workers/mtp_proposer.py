@@ -87,7 +87,7 @@ def build_pairs(
     num_step_rows = hidden.shape[0]
     offsets = batch.offsets
     for i, (s, res) in enumerate(zip(batch.seqs, results)):
-        blocks = s.block_ids
+        blocks = batch.block_tables[i]
         first_row = len(pairs.tokens)
         # Tokens now known after positions start, start+1, ..: the rest of this chunk, then
         # what was sampled (accepted drafts + the target's token) for a sampling step.
@@ -121,8 +121,8 @@ def build_pairs(
     return pairs
 
 
-def _slot(blocks: list[int], position: int, block_size: int) -> int:
-    return blocks[position // block_size] * block_size + position % block_size
+def _slot(blocks, position: int, block_size: int) -> int:
+    return int(blocks[position // block_size]) * block_size + position % block_size
 
 
 @dataclass

@@ -23,6 +23,7 @@ from workers.batch import SeqWork
 @dataclass
 class StepTensors:
     seqs: list[SeqWork]
+    block_tables: list[np.ndarray]  # each sequence's whole block table (int32), on the host
     input_ids: torch.Tensor  # [T], every scheduled token of every request, flattened
     meta: AttentionMetadata  # meta.block_tables: [num_seqs, width >= any table] int32, device
     offsets: list[int]  # first row of each request in the flattened batch
@@ -60,8 +61,16 @@ class StepLayout:
         return (*rows, tables.view(self.num_table_rows, self.table_width))
 
 
-def pack_step(seqs: list[SeqWork], block_size: int, layout: StepLayout, out: np.ndarray) -> None:
+def pack_step(
+    seqs: list[SeqWork],
+    block_size: int,
+    layout: StepLayout,
+    out: np.ndarray,
+    tables: list[np.ndarray] | None = None,
+) -> None:
     """Write the step's inputs into `out` (int64 [layout.numel]) in `layout`'s order.
+    `tables`: each sequence's whole block table; None: each `SeqWork.block_ids` is its whole
+    table (`block_table_start` 0).
 
     Token rows follow the sequences in order, each sequence's tokens at consecutive positions
     from its start_position; a token's slot is its block (from the sequence's table) times the
@@ -71,11 +80,13 @@ def pack_step(seqs: list[SeqWork], block_size: int, layout: StepLayout, out: np.
     lens = [len(s.token_ids) for s in seqs]
     num_tokens = sum(lens)
     token_ids, positions, slots, seq_idx = out[: 4 * n].reshape(4, n)
-    tables = out[4 * n :].view(np.int32)[: layout.num_table_rows * layout.table_width]
-    tables = tables.reshape(layout.num_table_rows, layout.table_width)
-    tables.fill(0)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_ids)] = s.block_ids
+    if tables is None:
+        tables = [s.block_ids for s in seqs]
+    rows = out[4 * n :].view(np.int32)[: layout.num_table_rows * layout.table_width]
+    rows = rows.reshape(layout.num_table_rows, layout.table_width)
+    rows.fill(0)
+    for i, table in enumerate(tables):
+        rows[i, : len(table)] = table
     token_ids[:num_tokens] = [t for s in seqs for t in s.token_ids]
     starts = np.array([s.start_position for s in seqs], dtype=np.int64)
     if num_tokens == num_seqs:  # one token each (plain decode)
@@ -85,7 +96,7 @@ def pack_step(seqs: list[SeqWork], block_size: int, layout: StepLayout, out: np.
         first_rows = np.cumsum(lens) - lens
         pos = np.arange(num_tokens) + np.repeat(starts - first_rows, lens)
     seq_idx[:num_tokens], positions[:num_tokens] = seq, pos
-    slots[:num_tokens] = tables[seq, pos // block_size].astype(np.int64) * block_size
+    slots[:num_tokens] = rows[seq, pos // block_size].astype(np.int64) * block_size
     slots[:num_tokens] += pos % block_size
     if num_tokens < n:
         token_ids[num_tokens:] = 0
