@@ -11,7 +11,10 @@ Part 2: the offline engine's host work per decode step with `--concurrency` requ
 at once (the scheduler, the detokenizer, the outputs: what a step costs the host besides the
 model, not overlapped with the device), per step and per request. Part 3: pickling and
 unpickling 128 outputs of one step as RequestOutputs, as plain delta tuples
-(`cluster.outputs.make_request_delta`'s form) and as a NamedTuple of the same fields.
+(`cluster.outputs.make_request_delta`'s form) and as a NamedTuple of the same fields. Part 4
+(`--long-output N`, 0 skips it): the offline engine's host work per decode step with
+`--long-concurrency` requests decoding N tokens each, by how far they are: work that grows with
+a completion's length shows as a rising row.
 """
 
 from __future__ import annotations
@@ -107,6 +110,29 @@ class _DeltaTuple(NamedTuple):
     is_first: bool
 
 
+def host_us_by_length(concurrency: int, num_tokens: int, num_marks: int = 6) -> list:
+    """-> [(output tokens per request so far, host us per step over the stretch before)]."""
+    from cluster.engine import LLMEngine
+    from cluster.sampling_params import SamplingParams
+
+    engine = LLMEngine(_config(num_tokens + 100, max(64, concurrency)))
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(list(range(5, 37)), params, f"r{i}")
+    stretch = num_tokens // num_marks
+    rows, steps = [], 0
+    started = time.perf_counter()
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+        if steps % stretch == 0:
+            now = time.perf_counter()
+            rows.append((steps, (now - started) / stretch * 1e6))
+            started = now
+    engine.shutdown()
+    return rows
+
+
 def wire_us(num_outputs: int = 128, rounds: int = 500) -> list[tuple[str, float, float, int]]:
     from cluster.outputs import RequestOutput
 
@@ -150,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--concurrency", default="1,8,32,64", help="part 2's levels")
+    ap.add_argument("--long-output", type=int, default=0, help="part 4's tokens per request")
+    ap.add_argument("--long-concurrency", type=int, default=32)
     args = ap.parse_args(argv)
     os.environ["NULL_STEP_S"] = "0"
     print("| loop | streamed | us per step |\n|---|---|---|")
@@ -167,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| 128 outputs as | pickle us | unpickle us | bytes |\n|---|---|---|---|")
     for name, dumps, loads, size in wire_us():
         print(f"| {name} | {dumps:.1f} | {loads:.1f} | {size} |")
+    if args.long_output:
+        c = args.long_concurrency
+        print(f"\n{c} requests of {args.long_output} tokens\n")
+        print("| output tokens so far | host us per step | per request |\n|---|---|---|")
+        for _ in range(args.repeat):
+            for tokens, us in host_us_by_length(c, args.long_output):
+                print(f"| {tokens} | {us:.1f} | {us / c:.2f} |", flush=True)
     return 0
 
 

@@ -6,6 +6,8 @@ it crosses the actor boundary, with no copy into a type of ours.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +15,59 @@ from cluster.detokenizer import num_stop_holdback_chars
 
 if TYPE_CHECKING:
     from cluster.request import Request
+
+
+class Prefix(Sequence):
+    """The first `len(items)` items (at the time it is made) of a list that only ever grows:
+    an output's cumulative token ids or logprobs as they were at that output, without copying
+    them all at every step (a copy per output made each request's host work grow with its
+    length: quadratic over a long completion). Read-only; equal to a list or tuple of the same
+    items, added to a list it gives a list (`prompt + out.token_ids`); pickles as a plain list;
+    `list(prefix)` where a real list is needed (json)."""
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items: list) -> None:
+        self._items = items
+        self._length = len(items)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._items[: self._length][index]
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError("Prefix index out of range")
+        return self._items[index]
+
+    def __iter__(self):
+        return itertools.islice(self._items, self._length)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (Prefix, list, tuple)):
+            return len(other) == self._length and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # like the list it stands for
+
+    def __add__(self, other):
+        if isinstance(other, (Prefix, list)):
+            return list(self) + list(other)
+        return NotImplemented
+
+    def __radd__(self, other):
+        if isinstance(other, list):
+            return other + list(self)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self):
+        return list, (list(self),)
 
 
 @dataclass
@@ -156,14 +211,16 @@ class RequestOutput:
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    # A list in a finished output; before that the engine's `Prefix` of the request's tokens
+    # (a read-only sequence: one copy per request, not one per step).
+    token_ids: Sequence[int]
     new_token_ids: list[int]
     text: str
     new_text: str
     finished: bool
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[Any] | None = None
+    logprobs: Sequence[Any] | None = None  # as token_ids
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     spec: SpecDecodeStats | None = None
@@ -197,22 +254,31 @@ def _advance(request: Request) -> tuple[str, int, list[int], list[Any] | None]:
     return text[:num_stable_chars], new_text, new_token_ids, new_logprobs
 
 
+def _cumulative(items: list | None, finished: bool) -> Sequence | None:
+    """An output's cumulative list: a `Prefix` of it while the request runs, a copy once it
+    has finished (what callers keep, serialize and extend)."""
+    if items is None:
+        return None
+    return list(items) if finished else Prefix(items)
+
+
 def make_request_output(request: Request) -> RequestOutput:
     """Build the next streaming update for `request` and advance its sent-markers (`_advance`
     says what is held back)."""
     text, new_text, new_token_ids, new_logprobs = _advance(request)
     logprobs = request.output_logprobs if new_logprobs is not None else None
+    finished = request.status.is_finished
     return RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
-        token_ids=list(request.output_token_ids),
+        token_ids=_cumulative(request.output_token_ids, finished),
         new_token_ids=new_token_ids,
         text=text,
         new_text=new_text,
         finished=request.status.is_finished,
         finish_reason=request.finish_reason,
         stop_reason=request.stop_reason,
-        logprobs=list(logprobs) if logprobs is not None else None,
+        logprobs=_cumulative(logprobs, finished),
         num_prompt_tokens=len(request.prompt_token_ids),
         num_cached_tokens=request.num_cached_tokens,
         spec=request.spec_stats,
@@ -370,17 +436,18 @@ class CumulativeOutput:
         self._text += new_text
         if new_logprobs is not None:
             self._logprobs.extend(new_logprobs)
+        finished = delta[d.FINISHED]
         return RequestOutput(
             request_id=delta[d.REQUEST_ID],
             prompt_token_ids=self._prompt_token_ids,
-            token_ids=list(self._token_ids),
+            token_ids=_cumulative(self._token_ids, finished),
             new_token_ids=new_token_ids,
             text=self._text,
             new_text=new_text,
             finished=delta[d.FINISHED],
             finish_reason=delta[d.FINISH_REASON],
             stop_reason=delta[d.STOP_REASON],
-            logprobs=list(self._logprobs) if new_logprobs is not None else None,
+            logprobs=_cumulative(self._logprobs if new_logprobs is not None else None, finished),
             num_prompt_tokens=delta[d.NUM_PROMPT_TOKENS],
             num_cached_tokens=delta[d.NUM_CACHED_TOKENS],
             spec=delta[d.SPEC],
