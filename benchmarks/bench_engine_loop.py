@@ -11,7 +11,10 @@ Part 2: the offline engine's host work per decode step with `--concurrency` requ
 at once (the scheduler, the detokenizer, the outputs: what a step costs the host besides the
 model, not overlapped with the device), per step and per request. Part 3: pickling and
 unpickling 128 outputs of one step as RequestOutputs, as plain delta tuples
-(`cluster.outputs.make_request_delta`'s form) and as a NamedTuple of the same fields. Part 4
+(`cluster.outputs.make_request_delta`'s form) and as a NamedTuple of the same fields; and a
+decode step's StepInput (what the executor sends every rank) for 64 requests at 32k tokens,
+with every block table whole (a request's first step) and with the tables held by the ranks
+(the blocks a step allocates, most often none). Part 4
 (`--long-output N`, 0 skips it): the offline engine's host work per decode step with
 `--long-concurrency` requests decoding N tokens each, by how far they are: work that grows with
 a completion's length shows as a rising row.
@@ -133,6 +136,42 @@ def host_us_by_length(concurrency: int, num_tokens: int, num_marks: int = 6) -> 
     return rows
 
 
+def step_input_wire_us(
+    num_seqs: int = 64, context: int = 32768, block: int = 64, rounds: int = 200
+) -> list[tuple[str, float, float, int]]:
+    from workers.batch import SeqWork, StepInput
+
+    num_blocks = context // block + 1
+    rows = []
+    for name, held in (("whole tables", False), ("tables held", True)):
+        step = StepInput(
+            [
+                SeqWork(
+                    f"cmpl-{i:024d}-0",
+                    [5],
+                    context,
+                    [] if held else list(range(i * num_blocks, (i + 1) * num_blocks)),
+                    0,
+                    True,
+                    block_table_start=num_blocks if held else 0,
+                )
+                for i in range(num_seqs)
+            ]
+        )
+        started = time.perf_counter()
+        for _ in range(rounds):
+            blob = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        dumps = (time.perf_counter() - started) / rounds * 1e6
+        started = time.perf_counter()
+        for _ in range(rounds):
+            pickle.loads(blob)
+        loads = (time.perf_counter() - started) / rounds * 1e6
+        rows.append(
+            (f"StepInput, {num_seqs} x {context // 1024}k, {name}", dumps, loads, len(blob))
+        )
+    return rows
+
+
 def wire_us(num_outputs: int = 128, rounds: int = 500) -> list[tuple[str, float, float, int]]:
     from cluster.outputs import RequestOutput
 
@@ -193,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             us = host_us_per_step(c)
             print(f"| {c} | {us:.1f} | {us / c:.2f} |", flush=True)
     print("\n| 128 outputs as | pickle us | unpickle us | bytes |\n|---|---|---|---|")
-    for name, dumps, loads, size in wire_us():
+    for name, dumps, loads, size in wire_us() + step_input_wire_us():
         print(f"| {name} | {dumps:.1f} | {loads:.1f} | {size} |")
     if args.long_output:
         c = args.long_concurrency
