@@ -24,11 +24,22 @@ import torch
 from workers.batch import SamplingSpec
 
 
+def prompt_token_mask(prompt_token_ids: list[int], vocab: int, device) -> torch.Tensor:
+    """[V] bool: the tokens the prompt holds (the repetition penalty's prompt part). A request's
+    prompt never changes, so the runner builds this once per request, not at every step (a
+    32k-token prompt made into a tensor per step cost milliseconds)."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    if prompt_token_ids:
+        mask[torch.tensor(prompt_token_ids, device=device)] = True
+    return mask
+
+
 def process_logits(
     logits: torch.Tensor,  # [num_drafts + 1, V]
     spec: SamplingSpec,
     context_token_ids: list[int],  # prompt then output, up to row 0's prediction
     draft_token_ids: list[int],
+    prompt_mask: torch.Tensor | None = None,  # prompt_token_mask of the prompt; None: built here
 ) -> torch.Tensor:
     """-> fp32 logits [num_drafts + 1, V] after the request's processors."""
     num_rows, vocab = logits.shape
@@ -40,10 +51,9 @@ def process_logits(
         counts = _output_counts(context_token_ids[num_prompt:], draft_token_ids, num_rows, vocab)
         counts = counts.to(device)  # [num_rows, V]
         if spec.repetition_penalty != 1.0:
-            seen = counts > 0
-            if num_prompt:
-                prompt_ids = torch.tensor(context_token_ids[:num_prompt], device=device)
-                seen[:, prompt_ids] = True
+            if prompt_mask is None:
+                prompt_mask = prompt_token_mask(context_token_ids[:num_prompt], vocab, device)
+            seen = (counts > 0) | prompt_mask
             r = spec.repetition_penalty
             out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
         if spec.presence_penalty:

@@ -20,7 +20,7 @@ from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
 from workers.block_tables import BlockTables
 from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
-from workers.logits_processors import process_logits, record_step_tokens
+from workers.logits_processors import process_logits, prompt_token_mask, record_step_tokens
 from workers.mtp_proposer import MtpProposer
 from workers.sampler import generator_seed, token_logprobs, verify_and_sample
 from workers.step_tensors import StepLayout, StepTensors, pack_step
@@ -34,6 +34,9 @@ class _SeqState:
     # Prompt and output so far, kept only for requests with logits processors (penalties count
     # tokens): the worker sees every token once, so the coordinator never resends history.
     token_ids: list[int] = field(default_factory=list)
+    # The repetition penalty's prompt tokens as a [V] mask (built on the request's first
+    # sampling step; the prompt never changes).
+    prompt_mask: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -235,7 +238,13 @@ class ModelRunner:
                 sample_logits, seq_argmax = logits[first:end], argmax[first:end]
                 if spec.has_logits_processors:
                     context = state.token_ids[: len(state.token_ids) - len(drafts)]
-                    sample_logits = process_logits(sample_logits, spec, context, drafts)
+                    if spec.repetition_penalty != 1.0 and state.prompt_mask is None:
+                        state.prompt_mask = prompt_token_mask(
+                            context[: spec.num_prompt_tokens], logits.shape[-1], logits.device
+                        )
+                    sample_logits = process_logits(
+                        sample_logits, spec, context, drafts, state.prompt_mask
+                    )
                     seq_argmax = None
                 tokens, accepted = verify_and_sample(
                     sample_logits, drafts, spec, state.generator, seq_argmax

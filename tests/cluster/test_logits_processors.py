@@ -20,7 +20,7 @@ from cluster.llm import LLM
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 from workers.batch import SamplingSpec
 from workers.default_model import SHIPPED_DIR
-from workers.logits_processors import process_logits, record_step_tokens
+from workers.logits_processors import process_logits, prompt_token_mask, record_step_tokens
 
 MAX_TOKENS = 16
 PROMPT_TEXTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def "]
@@ -56,6 +56,10 @@ def test_process_logits_closed_form():
         return values
 
     assert out.tolist() == [expected(r) for r in range(3)]
+    # The runner's mask of the prompt, built once per request, gives the same logits.
+    mask = prompt_token_mask([1, 2], logits.shape[-1], logits.device)
+    assert mask.tolist() == [False, True, True, False, False, False]
+    assert torch.equal(process_logits(logits, spec, [1, 2, 3, 3], [0, 4], mask), out)
 
 
 def test_record_step_tokens_drops_rejected_drafts():
