@@ -48,8 +48,9 @@ def process_logits(
     num_prompt = spec.num_prompt_tokens
     num_output = len(context_token_ids) - num_prompt
     if spec.repetition_penalty != 1.0 or spec.presence_penalty or spec.frequency_penalty:
-        counts = _output_counts(context_token_ids[num_prompt:], draft_token_ids, num_rows, vocab)
-        counts = counts.to(device)  # [num_rows, V]
+        counts = _output_counts(  # [num_rows, V]
+            context_token_ids[num_prompt:], draft_token_ids, num_rows, vocab, device
+        )
         if spec.repetition_penalty != 1.0:
             if prompt_mask is None:
                 prompt_mask = prompt_token_mask(context_token_ids[:num_prompt], vocab, device)
@@ -73,12 +74,19 @@ def process_logits(
 
 
 def _output_counts(
-    output_token_ids: list[int], draft_token_ids: list[int], num_rows: int, vocab: int
+    output_token_ids: list[int],
+    draft_token_ids: list[int],
+    num_rows: int,
+    vocab: int,
+    device: torch.device,
 ) -> torch.Tensor:
-    """[num_rows, V] float: row j counts the output so far plus `draft_token_ids[:j]`."""
-    counts = torch.zeros(num_rows, vocab)
+    """[num_rows, V] float on `device`: row j counts the output so far plus
+    `draft_token_ids[:j]`. Built where the logits are: only the token ids travel, not a
+    vocabulary-wide tensor per row."""
+    counts = torch.zeros(num_rows, vocab, device=device)
     if output_token_ids:
-        counts += torch.bincount(torch.tensor(output_token_ids), minlength=vocab).float()
+        ids = torch.tensor(output_token_ids, device=device)
+        counts += torch.bincount(ids, minlength=vocab).float()
     for j, draft in enumerate(draft_token_ids[: num_rows - 1]):
         counts[j + 1 :, draft] += 1
     return counts
