@@ -34,12 +34,38 @@ def prompt_token_mask(prompt_token_ids: list[int], vocab: int, device) -> torch.
     return mask
 
 
+class OutputCounts:
+    """A request's output token counts, [V] float on the device, kept across its steps: each
+    step adds only the output tokens confirmed since the last, instead of counting the whole
+    output again (a 30k-token output made into a tensor per step cost milliseconds). A
+    request's confirmed tokens only ever grow (rejected drafts never reach them; a preemption
+    recomputes the same tokens), so what was counted stays counted."""
+
+    def __init__(self, vocab: int, device) -> None:
+        self.counts = torch.zeros(vocab, device=device)
+        self.num_counted = 0
+
+    def update(self, token_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Count `token_ids[start:end]` (the output so far, start = the prompt's length): only
+        the part past what earlier steps counted. -> the counts."""
+        num_output = end - start
+        if num_output < self.num_counted:  # not expected (see above): count afresh
+            self.counts.zero_()
+            self.num_counted = 0
+        if num_output > self.num_counted:
+            new = torch.tensor(token_ids[start + self.num_counted : end], device=self.counts.device)
+            self.counts += torch.bincount(new, minlength=self.counts.numel()).float()
+            self.num_counted = num_output
+        return self.counts
+
+
 def process_logits(
     logits: torch.Tensor,  # [num_drafts + 1, V]
     spec: SamplingSpec,
     context_token_ids: list[int],  # prompt then output, up to row 0's prediction
     draft_token_ids: list[int],
     prompt_mask: torch.Tensor | None = None,  # prompt_token_mask of the prompt; None: built here
+    output_counts: torch.Tensor | None = None,  # [V] counts of the output; None: counted here
 ) -> torch.Tensor:
     """-> fp32 logits [num_drafts + 1, V] after the request's processors."""
     num_rows, vocab = logits.shape
@@ -48,9 +74,9 @@ def process_logits(
     num_prompt = spec.num_prompt_tokens
     num_output = len(context_token_ids) - num_prompt
     if spec.repetition_penalty != 1.0 or spec.presence_penalty or spec.frequency_penalty:
-        counts = _output_counts(  # [num_rows, V]
-            context_token_ids[num_prompt:], draft_token_ids, num_rows, vocab, device
-        )
+        if output_counts is None:
+            output_counts = _count(context_token_ids[num_prompt:], vocab, device)
+        counts = _row_counts(output_counts, draft_token_ids, num_rows)  # [num_rows, V]
         if spec.repetition_penalty != 1.0:
             if prompt_mask is None:
                 prompt_mask = prompt_token_mask(context_token_ids[:num_prompt], vocab, device)
@@ -73,20 +99,18 @@ def process_logits(
     return out
 
 
-def _output_counts(
-    output_token_ids: list[int],
-    draft_token_ids: list[int],
-    num_rows: int,
-    vocab: int,
-    device: torch.device,
+def _count(token_ids: list[int], vocab: int, device) -> torch.Tensor:
+    """[V] float on `device`: how often each token occurs (only the ids travel to the device,
+    not a vocabulary-wide tensor)."""
+    counts = OutputCounts(vocab, device)
+    return counts.update(token_ids, 0, len(token_ids))
+
+
+def _row_counts(
+    output_counts: torch.Tensor, draft_token_ids: list[int], num_rows: int
 ) -> torch.Tensor:
-    """[num_rows, V] float on `device`: row j counts the output so far plus
-    `draft_token_ids[:j]`. Built where the logits are: only the token ids travel, not a
-    vocabulary-wide tensor per row."""
-    counts = torch.zeros(num_rows, vocab, device=device)
-    if output_token_ids:
-        ids = torch.tensor(output_token_ids, device=device)
-        counts += torch.bincount(ids, minlength=vocab).float()
+    """[num_rows, V]: row j counts the output so far plus `draft_token_ids[:j]`."""
+    counts = output_counts.expand(num_rows, -1).clone()
     for j, draft in enumerate(draft_token_ids[: num_rows - 1]):
         counts[j + 1 :, draft] += 1
     return counts

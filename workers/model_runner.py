@@ -20,7 +20,12 @@ from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
 from workers.block_tables import BlockTables
 from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
-from workers.logits_processors import process_logits, prompt_token_mask, record_step_tokens
+from workers.logits_processors import (
+    OutputCounts,
+    process_logits,
+    prompt_token_mask,
+    record_step_tokens,
+)
 from workers.mtp_proposer import MtpProposer
 from workers.sampler import generator_seed, token_logprobs, verify_and_sample
 from workers.step_tensors import StepLayout, StepTensors, pack_step
@@ -35,8 +40,9 @@ class _SeqState:
     # tokens): the worker sees every token once, so the coordinator never resends history.
     token_ids: list[int] = field(default_factory=list)
     # The repetition penalty's prompt tokens as a [V] mask (built on the request's first
-    # sampling step; the prompt never changes).
+    # sampling step; the prompt never changes), and the penalties' output token counts.
     prompt_mask: torch.Tensor | None = None
+    output_counts: OutputCounts | None = None
 
 
 class ModelRunner:
@@ -237,14 +243,7 @@ class ModelRunner:
             else:
                 sample_logits, seq_argmax = logits[first:end], argmax[first:end]
                 if spec.has_logits_processors:
-                    context = state.token_ids[: len(state.token_ids) - len(drafts)]
-                    if spec.repetition_penalty != 1.0 and state.prompt_mask is None:
-                        state.prompt_mask = prompt_token_mask(
-                            context[: spec.num_prompt_tokens], logits.shape[-1], logits.device
-                        )
-                    sample_logits = process_logits(
-                        sample_logits, spec, context, drafts, state.prompt_mask
-                    )
+                    sample_logits = self._process(state, spec, sample_logits, drafts)
                     seq_argmax = None
                 tokens, accepted = verify_and_sample(
                     sample_logits, drafts, spec, state.generator, seq_argmax
@@ -255,6 +254,20 @@ class ModelRunner:
                 logprobs = token_logprobs(rows, tokens, spec.num_logprobs)
             results[i] = SeqResult(s.request_id, tokens, accepted, [], logprobs)
         return [r or SeqResult(s.request_id, []) for r, s in zip(results, batch.seqs)]
+
+    def _process(self, state: _SeqState, spec, logits: torch.Tensor, drafts: list[int]):
+        """The request's logits processors on its rows, with what the runner keeps of its
+        history: the prompt's mask and the output's counts, built once and then kept up."""
+        context = state.token_ids[: len(state.token_ids) - len(drafts)]
+        vocab, num_prompt = logits.shape[-1], spec.num_prompt_tokens
+        output_counts = None
+        if spec.repetition_penalty != 1.0 or spec.presence_penalty or spec.frequency_penalty:
+            if spec.repetition_penalty != 1.0 and state.prompt_mask is None:
+                state.prompt_mask = prompt_token_mask(context[:num_prompt], vocab, logits.device)
+            if state.output_counts is None:
+                state.output_counts = OutputCounts(vocab, logits.device)
+            output_counts = state.output_counts.update(context, num_prompt, len(context))
+        return process_logits(logits, spec, context, drafts, state.prompt_mask, output_counts)
 
     # --- tensors -------------------------------------------------------------------------------
 

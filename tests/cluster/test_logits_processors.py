@@ -20,7 +20,12 @@ from cluster.llm import LLM
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 from workers.batch import SamplingSpec
 from workers.default_model import SHIPPED_DIR
-from workers.logits_processors import process_logits, prompt_token_mask, record_step_tokens
+from workers.logits_processors import (
+    OutputCounts,
+    process_logits,
+    prompt_token_mask,
+    record_step_tokens,
+)
 
 MAX_TOKENS = 16
 PROMPT_TEXTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def "]
@@ -60,6 +65,12 @@ def test_process_logits_closed_form():
     mask = prompt_token_mask([1, 2], logits.shape[-1], logits.device)
     assert mask.tolist() == [False, True, True, False, False, False]
     assert torch.equal(process_logits(logits, spec, [1, 2, 3, 3], [0, 4], mask), out)
+    # And so do the runner's output counts, kept up step by step.
+    counts = OutputCounts(logits.shape[-1], logits.device)
+    counts.update([1, 2, 3], 2, 3)
+    kept = counts.update([1, 2, 3, 3, 9], 2, 4)  # past `end`: not counted
+    assert kept.tolist() == [0, 0, 0, 2, 0, 0]
+    assert torch.equal(process_logits(logits, spec, [1, 2, 3, 3], [0, 4], mask, kept), out)
 
 
 def test_record_step_tokens_drops_rejected_drafts():
@@ -187,3 +198,36 @@ def test_logit_bias_steers_sampling_with_and_without_mtp(engines, prompts):
     for llm in engines.values():
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == [[77] * 8] * len(prompts)
+
+
+def test_penalties_kept_across_steps_match_under_mtp_and_preemption(tiny_model_dir):
+    """The runner keeps a request's output counts and prompt mask across steps. Long greedy
+    outputs with every penalty: MTP k = 2 in a pool small enough to preempt give the same
+    tokens as k = 0 with room for all."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (30, 9, 55, 21)]
+    params = SamplingParams(
+        max_tokens=80,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+    )
+    roomy = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32")
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    tight = LLM(
+        tiny_model_dir,
+        num_draft_tokens=2,
+        block_size_tokens=16,
+        num_kv_blocks=14,
+        max_model_len=256,
+        dtype="float32",
+    )
+    preemptions = []
+    original = tight.engine.scheduler._preempt
+    tight.engine.scheduler._preempt = lambda r, o: (preemptions.append(r), original(r, o))
+    assert [o.token_ids for o in tight.generate(prompts, params)] == want
+    assert preemptions, "the pool was meant to force preemption"
+    plain = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in roomy.generate(prompts, plain)] != want  # penalties did act
