@@ -1,6 +1,7 @@
 """The model runner's host work per decode step, by phase, batch size and context.
 
     python benchmarks/bench_runner_host.py [--device cpu|cuda] [--path graph|eager] [--drafts K]
+        [--temperature T [--top-p P]]
 
 Runs `ModelRunner.execute` on decode steps of the tiny checkpoint with the model replaced by a
 stand-in whose forward and LM head return preallocated hidden states and logits of the right
@@ -124,7 +125,9 @@ def build_runner(device: torch.device, path: str, max_batch: int, max_rows: int,
     return runner
 
 
-def decode_step(batch: int, context: int, drafts: int, vocab: int, held: bool) -> StepInput:
+def decode_step(
+    batch: int, context: int, drafts: int, vocab: int, held: bool, sampling: SamplingSpec
+) -> StepInput:
     """`held`: the runner holds the tables from an earlier step, so the step sends none of
     their entries (as the engine sends a decode step that allocates no block); else every
     table whole (a request's first step)."""
@@ -137,7 +140,7 @@ def decode_step(batch: int, context: int, drafts: int, vocab: int, held: bool) -
             [] if held else list(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq)),
             drafts,
             True,
-            SamplingSpec(),
+            sampling,
             block_table_start=blocks_per_seq if held else 0,
         )
         for b in range(batch)
@@ -151,20 +154,29 @@ def main() -> None:
     ap.add_argument("--path", choices=("graph", "eager"), default="graph")
     ap.add_argument("--drafts", type=int, default=0, help="drafts verified per request")
     ap.add_argument("--steps", type=int, default=200, help="timed steps per row")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request samples at this temperature (with --top-p); 0: greedy",
+    )
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
+    sampling = SamplingSpec(temperature=args.temperature, top_p=args.top_p)
     device = torch.device(args.device)
     torch.set_num_threads(1)
     clock = PhaseClock()
     q = args.drafts + 1
     runner = build_runner(device, args.path, max(BATCHES), max(BATCHES) * q, clock)
     vocab = runner.model.config.vocab_size
-    print(f"device {device}, {args.path} path, {q} token(s) per sequence, us per step")
+    how = f"temperature {args.temperature}, top-p {args.top_p}" if args.temperature else "greedy"
+    print(f"device {device}, {args.path} path, {q} token(s) per sequence, {how}, us per step")
     print("| batch | context | " + " | ".join(PHASES) + " | whole step |")
     print("|---|---|" + "---|" * (len(PHASES) + 1))
     for batch in BATCHES:
         for context in CONTEXTS:
-            runner.execute(decode_step(batch, context, args.drafts, vocab, held=False))
-            step = decode_step(batch, context, args.drafts, vocab, held=True)
+            runner.execute(decode_step(batch, context, args.drafts, vocab, False, sampling))
+            step = decode_step(batch, context, args.drafts, vocab, True, sampling)
             for _ in range(10):
                 runner.execute(step)
             if device.type == "cuda":

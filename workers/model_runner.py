@@ -27,7 +27,12 @@ from workers.logits_processors import (
     record_step_tokens,
 )
 from workers.mtp_proposer import MtpProposer
-from workers.sampler import generator_seed, token_logprobs, verify_and_sample
+from workers.sampler import (
+    generator_seed,
+    token_logprobs,
+    verify_and_sample,
+    verify_and_sample_batch,
+)
 from workers.step_tensors import StepLayout, StepTensors, pack_step
 
 
@@ -235,6 +240,9 @@ class ModelRunner:
                 self._argmax_copied.synchronize()
             argmax = argmax.tolist()
         results = [None] * len(batch.seqs)
+        # Sampling requests without a seed of their own draw together (one batched sampler,
+        # one copy to the host); a seeded one draws from its own generator, alone.
+        together = []  # (index in the step, first logit row, its rows, drafts)
         for i, state, first, drafts in work:
             s, end = batch.seqs[i], first + len(drafts) + 1
             spec = s.sampling
@@ -245,15 +253,48 @@ class ModelRunner:
                 if spec.has_logits_processors:
                     sample_logits = self._process(state, spec, sample_logits, drafts)
                     seq_argmax = None
+                if not spec.greedy and state.generator is None:
+                    processed = sample_logits if spec.has_logits_processors else None
+                    together.append((i, first, processed, drafts))
+                    continue
                 tokens, accepted = verify_and_sample(
                     sample_logits, drafts, spec, state.generator, seq_argmax
                 )
-            logprobs = None
-            if spec.num_logprobs is not None:
-                rows = logits[first : first + len(tokens)]
-                logprobs = token_logprobs(rows, tokens, spec.num_logprobs)
-            results[i] = SeqResult(s.request_id, tokens, accepted, [], logprobs)
+            results[i] = self._result(batch.seqs[i], tokens, accepted, logits, first)
+        if together:
+            drawn = verify_and_sample_batch(
+                self._rows_together(logits, together),
+                [drafts for _, _, _, drafts in together],
+                [batch.seqs[i].sampling for i, _, _, _ in together],
+            )
+            for (i, first, _, _), (tokens, accepted) in zip(together, drawn):
+                results[i] = self._result(batch.seqs[i], tokens, accepted, logits, first)
         return [r or SeqResult(s.request_id, []) for r, s in zip(results, batch.seqs)]
+
+    def _rows_together(self, logits: torch.Tensor, together: list) -> torch.Tensor:
+        """The logit rows of the requests sampled together, in one gather (fp32), with the
+        rows of requests that have logits processors replaced by their processed ones."""
+        index, spans = [], []
+        for _, first, processed, drafts in together:
+            if processed is not None:
+                spans.append((len(index), processed))
+            index += range(first, first + len(drafts) + 1)
+        pinned = self.device.type == "cuda"
+        index = torch.tensor(index, dtype=torch.long, pin_memory=pinned)
+        rows = logits.index_select(0, index.to(logits.device, non_blocking=True)).float()
+        for start, processed in spans:
+            rows[start : start + processed.shape[0]] = processed
+        return rows
+
+    @staticmethod
+    def _result(
+        s: SeqWork, tokens: list[int], accepted: int, logits: torch.Tensor | None, first: int
+    ) -> SeqResult:
+        logprobs = None
+        if s.sampling.num_logprobs is not None:
+            rows = logits[first : first + len(tokens)]
+            logprobs = token_logprobs(rows, tokens, s.sampling.num_logprobs)
+        return SeqResult(s.request_id, tokens, accepted, [], logprobs)
 
     def _process(self, state: _SeqState, spec, logits: torch.Tensor, drafts: list[int]):
         """The request's logits processors on its rows, with what the runner keeps of its

@@ -231,3 +231,31 @@ def test_penalties_kept_across_steps_match_under_mtp_and_preemption(tiny_model_d
     assert preemptions, "the pool was meant to force preemption"
     plain = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in roomy.generate(prompts, plain)] != want  # penalties did act
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_requests_sampled_together_each_draw_from_their_own_rows(tiny_model_dir, k):
+    """Unseeded sampling requests draw together (one batched sampler): requests whose logit
+    bias makes one token certain, each a different one, between requests without processors,
+    all in the same steps; each biased request emits only its own token."""
+    llm = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32")
+    engine = llm.engine
+    forced = [17, 230, 401]
+    ids = []
+    for n, token in enumerate(forced):
+        plain = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+        ids.append((None, engine.add_request([5 + n, 9, 13], plain)))
+        biased = SamplingParams(
+            max_tokens=12, temperature=1.0, ignore_eos=True, logit_bias={token: 100.0}
+        )
+        ids.append((token, engine.add_request([7 + n, 11], biased)))
+    final = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    for token, request_id in ids:
+        out = final[request_id]
+        assert len(out.token_ids) == 12
+        if token is not None:
+            assert out.token_ids == [token] * 12

@@ -1,7 +1,7 @@
 """The rejection sampler keeps the target distribution exactly (statistical test, fixed seed).
 
 Significance: each chi-square test rejects a correct sampler with probability alpha = 1e-3; the
-file runs 4 such tests, so a correct implementation fails with probability < 0.4%, while a
+file runs 10 such tests, so a correct implementation fails with probability < 1%, while a
 sampler that, e.g., always accepts drafts or forgets to remove the draft from the residual
 shifts the first token's distribution by >= 0.1 in probability and fails with certainty at
 N = 10,000 draws.
@@ -14,7 +14,12 @@ import torch
 from scipy.stats import chisquare
 
 from workers.batch import SamplingSpec
-from workers.sampler import processed_probs, verify_and_sample
+from workers.sampler import (
+    batched_probs,
+    processed_probs,
+    verify_and_sample,
+    verify_and_sample_batch,
+)
 
 ALPHA = 1e-3
 NUM_DRAWS = 10_000
@@ -68,3 +73,68 @@ def test_greedy_acceptance_is_prefix_match():
     assert verify_and_sample(logits, [3, 5, 1], spec, None) == ([3, 5, 1, 7], 3)
     assert verify_and_sample(logits, [3, 6, 1], spec, None) == ([3, 5], 1)
     assert verify_and_sample(logits, [0, 5, 1], spec, None) == ([3], 0)
+
+
+LOGITS = torch.tensor(
+    [
+        [2.0, 1.0, 0.5, 0.0, -1.0, 0.3],
+        [0.1, 1.5, -0.5, 0.7, 0.0, 1.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    ]
+)
+SPECS = [
+    SamplingSpec(temperature=1.0),
+    SamplingSpec(temperature=0.7, top_k=4, top_p=0.9),
+    SamplingSpec(temperature=1.3, top_p=0.6),
+    SamplingSpec(temperature=0.5, top_k=2),
+]
+
+
+def test_batched_probs_are_each_rows_own():
+    rows = torch.cat([LOGITS] * len(SPECS))
+    per_row = [s for s in SPECS for _ in range(len(LOGITS))]
+    got = batched_probs(
+        rows,
+        torch.tensor([s.temperature for s in per_row]),
+        torch.tensor([s.top_k for s in per_row]),
+        torch.tensor([s.top_p for s in per_row]),
+    )
+    want = torch.cat([processed_probs(LOGITS, s) for s in SPECS])
+    torch.testing.assert_close(got, want)
+
+
+def test_batched_rejection_sampling_preserves_each_requests_distribution():
+    """NUM_DRAWS requests of each of SPECS in one batch, all verifying the same two drafts:
+    each group's first token (and, after an accepted first draft, its second) follows its own
+    target rows, as `verify_and_sample` does one request at a time."""
+    torch.manual_seed(0)
+    drafts = [1, 3]
+    specs = [s for s in SPECS for _ in range(NUM_DRAWS)]
+    out = verify_and_sample_batch(torch.cat([LOGITS] * len(specs)), [drafts] * len(specs), specs)
+    for g, spec in enumerate(SPECS):
+        group = out[g * NUM_DRAWS : (g + 1) * NUM_DRAWS]
+        assert all(tokens[:accepted] == drafts[:accepted] for tokens, accepted in group)
+        assert all(len(tokens) == accepted + 1 for tokens, accepted in group)
+        first = torch.bincount(torch.tensor([t[0] for t, _ in group]), minlength=6).float()
+        p0 = processed_probs(LOGITS[0:1], spec)[0]
+        keep = p0 > 0
+        assert first[~keep].sum() == 0
+        assert chisquare(first[keep], p0[keep] * NUM_DRAWS).pvalue > ALPHA
+        seconds = [t[1] for t, _ in group if t[0] == drafts[0]]
+        second = torch.bincount(torch.tensor(seconds), minlength=6).float()
+        p1 = processed_probs(LOGITS[1:2], spec)[0]
+        keep1 = p1 > 0
+        assert second[~keep1].sum() == 0
+        assert chisquare(second[keep1], p1[keep1] * len(seconds)).pvalue > ALPHA
+
+
+def test_batched_sampler_without_drafts_and_with_a_certain_draft():
+    """No drafts: one draw per request from its row. A draft the target is sure of (one-hot at
+    it) is always accepted, and its empty residual breaks nothing."""
+    torch.manual_seed(1)
+    sure = torch.full((2, 6), -1e9)
+    sure[0, 2] = 0.0  # row 0: certain of token 2
+    sure[1, 4] = 0.0
+    out = verify_and_sample_batch(torch.cat([LOGITS[:1], sure]), [[], [2]], [SPECS[0], SPECS[0]])
+    assert len(out[0][0]) == 1 and out[0][1] == 0
+    assert out[1] == ([2, 4], 1)
