@@ -167,10 +167,10 @@ class ModelRunner:
         host = torch.empty(layout.numel, dtype=torch.long, pin_memory=self.device.type == "cuda")
         pack_step(seqs, self.block_size, layout, host.numpy(), tables)
         if graph_key is not None:
-            input_ids, positions, slots, seq_idx, tables = self.graphs.load(host, *graph_key)
+            input_ids, positions, slots, seq_idx, device_tables = self.graphs.load(host, *graph_key)
         else:
             inputs = host.to(self.device, non_blocking=True)
-            input_ids, positions, slots, seq_idx, tables = layout.views(inputs)
+            input_ids, positions, slots, seq_idx, device_tables = layout.views(inputs)
         offsets, logit_rows = [], []
         start = 0
         for s in seqs:
@@ -183,7 +183,7 @@ class ModelRunner:
             seqs=seqs,
             block_tables=tables,
             input_ids=input_ids,
-            meta=AttentionMetadata(positions, slots, seq_idx, tables),
+            meta=AttentionMetadata(positions, slots, seq_idx, device_tables),
             offsets=offsets,
             logit_rows=logit_rows,
             graphable=graphable,

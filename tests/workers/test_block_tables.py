@@ -81,6 +81,20 @@ def test_ranks_rebuild_the_schedulers_tables_from_the_steps(tiny_model_dir, k):
         return execute(step)
 
     engine.executor.execute = checking_execute
+    # What the runner hands the step's readers (the MTP proposer's slots) is each sequence's
+    # table on the host, as the ranks hold it, not the device's padded rows.
+    runner = engine.executor.worker.runner
+    prepare = runner._prepare
+
+    def checking_prepare(seqs, tables):
+        batch = prepare(seqs, tables)
+        assert len(batch.block_tables) == len(seqs)
+        for s, table in zip(seqs, batch.block_tables):
+            assert isinstance(table, np.ndarray)
+            assert table.tolist() == engine.scheduler.get(s.request_id).block_ids
+        return batch
+
+    runner._prepare = checking_prepare
     preemptions = []
     original = engine.scheduler._preempt
     engine.scheduler._preempt = lambda r, o: (preemptions.append(r.request_id), original(r, o))
