@@ -260,16 +260,36 @@ class ModelRunner:
                 tokens, accepted = verify_and_sample(
                     sample_logits, drafts, spec, state.generator, seq_argmax
                 )
-            results[i] = self._result(batch.seqs[i], tokens, accepted, logits, first)
+            results[i] = SeqResult(s.request_id, tokens, accepted)
         if together:
             drawn = verify_and_sample_batch(
                 self._rows_together(logits, together),
                 [drafts for _, _, _, drafts in together],
                 [batch.seqs[i].sampling for i, _, _, _ in together],
             )
-            for (i, first, _, _), (tokens, accepted) in zip(together, drawn):
-                results[i] = self._result(batch.seqs[i], tokens, accepted, logits, first)
+            for (i, _, _, _), (tokens, accepted) in zip(together, drawn):
+                results[i] = SeqResult(batch.seqs[i].request_id, tokens, accepted)
+        self._add_logprobs(batch.seqs, results, {i: first for i, _, first, _ in work}, logits)
         return [r or SeqResult(s.request_id, []) for r, s in zip(results, batch.seqs)]
+
+    @staticmethod
+    def _add_logprobs(seqs, results, first_rows: dict[int, int], logits) -> None:
+        """The logprobs of the emitted tokens of every request that asked, in one batched
+        computation (`token_logprobs`) for the whole step."""
+        asking = [
+            i for i, s in enumerate(seqs) if results[i] and s.sampling.num_logprobs is not None
+        ]
+        if not asking:
+            return
+        rows, token_ids, num_tops = [], [], []
+        for i in asking:
+            tokens = results[i].sampled_token_ids
+            rows += range(first_rows[i], first_rows[i] + len(tokens))
+            token_ids += tokens
+            num_tops += [seqs[i].sampling.num_logprobs] * len(tokens)
+        entries = iter(token_logprobs(logits, rows, token_ids, num_tops))
+        for i in asking:
+            results[i].logprobs = [next(entries) for _ in results[i].sampled_token_ids]
 
     def _rows_together(self, logits: torch.Tensor, together: list) -> torch.Tensor:
         """The logit rows of the requests sampled together, in one gather (fp32), with the
@@ -285,16 +305,6 @@ class ModelRunner:
         for start, processed in spans:
             rows[start : start + processed.shape[0]] = processed
         return rows
-
-    @staticmethod
-    def _result(
-        s: SeqWork, tokens: list[int], accepted: int, logits: torch.Tensor | None, first: int
-    ) -> SeqResult:
-        logprobs = None
-        if s.sampling.num_logprobs is not None:
-            rows = logits[first : first + len(tokens)]
-            logprobs = token_logprobs(rows, tokens, s.sampling.num_logprobs)
-        return SeqResult(s.request_id, tokens, accepted, [], logprobs)
 
     def _process(self, state: _SeqState, spec, logits: torch.Tensor, drafts: list[int]):
         """The request's logits processors on its rows, with what the runner keeps of its

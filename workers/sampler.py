@@ -75,16 +75,25 @@ def verify_and_sample(
     return list(draft_token_ids) + [_draw(probs[-1], generator)], len(draft_token_ids)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[dict]:
-    """Raw log-probabilities (before sampling transforms) of the emitted tokens and the top-n."""
-    logp = logits.float().log_softmax(-1)
+def token_logprobs(
+    logits: torch.Tensor, rows: list[int], token_ids: list[int], num_tops: list[int]
+) -> list[dict]:
+    """Raw log-probabilities (before sampling transforms) of emitted tokens and their top-n:
+    entry e is token_ids[e] at row rows[e] of `logits` with its num_tops[e] most likely tokens.
+    All entries of a step at once: one gather, one log-softmax, one top-k, one copy to the
+    host (not a synchronizing read per token)."""
+    device = logits.device
+    logp = logits.index_select(0, torch.tensor(rows, device=device)).float().log_softmax(-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, device=device)[:, None]).squeeze(1)
+    most = max(num_tops)
+    top_values, top_ids = logp.topk(most, dim=-1) if most else (None, None)
+    chosen = chosen.tolist()
+    if most:
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
     out = []
-    for row, tok in zip(logp, token_ids):
-        entry = {"token_id": tok, "logprob": float(row[tok]), "top": []}
-        if num_top:
-            values, ids = row.topk(num_top)
-            entry["top"] = list(zip(ids.tolist(), values.tolist()))
-        out.append(entry)
+    for e, (token, num_top) in enumerate(zip(token_ids, num_tops)):
+        top = list(zip(top_ids[e][:num_top], top_values[e][:num_top])) if num_top else []
+        out.append({"token_id": token, "logprob": chosen[e], "top": top})
     return out
 
 

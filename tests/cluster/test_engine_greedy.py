@@ -198,3 +198,22 @@ def test_stats_count_steps_and_those_that_carry_a_prompt(tiny_model_dir):
     assert (stats.num_steps, stats.num_prefill_steps) == (4, 2)
     assert 0.0 < stats.step_time_s <= wall_s - 0.3
     engine.shutdown()
+
+
+def test_logprobs_follow_the_rows_of_accepted_drafts(
+    tiny_model_dir, prompts, reference, monkeypatch
+):
+    """Each emitted token's logprob and top tokens come from the target row that predicted
+    it: with drafts accepted (several tokens per round, from verify rows), the same as one
+    token per step without MTP."""
+    params = _greedy(logprobs=3)
+    plain = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32").generate(prompts, params)
+    llm = LLM(tiny_model_dir, num_draft_tokens=2, dtype="float32")
+    OracleDrafts(llm, prompts, reference, error_rate=0.2).install(monkeypatch)
+    drafted = llm.generate(prompts, params)
+    assert llm.stats().mean_tokens_per_round > 1.5
+    for a_out, b_out in zip(plain, drafted, strict=True):
+        assert a_out.token_ids == b_out.token_ids == [e["token_id"] for e in b_out.logprobs]
+        for a, b in zip(a_out.logprobs, b_out.logprobs, strict=True):
+            assert b["logprob"] == pytest.approx(a["logprob"], abs=1e-4)
+            assert [t for t, _ in b["top"]] == [t for t, _ in a["top"]] and len(a["top"]) == 3

@@ -17,6 +17,7 @@ from workers.batch import SamplingSpec
 from workers.sampler import (
     batched_probs,
     processed_probs,
+    token_logprobs,
     verify_and_sample,
     verify_and_sample_batch,
 )
@@ -138,3 +139,18 @@ def test_batched_sampler_without_drafts_and_with_a_certain_draft():
     out = verify_and_sample_batch(torch.cat([LOGITS[:1], sure]), [[], [2]], [SPECS[0], SPECS[0]])
     assert len(out[0][0]) == 1 and out[0][1] == 0
     assert out[1] == ([2, 4], 1)
+
+
+def test_token_logprobs_of_a_step_at_once():
+    """Entries for several requests' rows in one call: each is its row's log-softmax at the
+    token, and that row's own number of most likely tokens, most likely first."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(2))
+    rows, tokens, tops = [0, 1, 3, 4], [7, 0, 39, 12], [2, 0, 5, 1]
+    got = token_logprobs(logits, rows, tokens, tops)
+    logp = logits.log_softmax(-1)
+    for entry, row, token, top in zip(got, rows, tokens, tops, strict=True):
+        assert entry["token_id"] == token
+        assert entry["logprob"] == pytest.approx(logp[row, token].item(), abs=1e-6)
+        values, ids = logp[row].topk(top) if top else (torch.tensor([]), torch.tensor([]))
+        assert [t for t, _ in entry["top"]] == ids.tolist()
+        assert [v for _, v in entry["top"]] == pytest.approx(values.tolist(), abs=1e-6)
