@@ -269,26 +269,27 @@ class ModelRunner:
             )
             for (i, _, _, _), (tokens, accepted) in zip(together, drawn):
                 results[i] = SeqResult(batch.seqs[i].request_id, tokens, accepted)
-        self._add_logprobs(batch.seqs, results, {i: first for i, _, first, _ in work}, logits)
+        self._add_logprobs(batch.seqs, results, work, logits)
         return [r or SeqResult(s.request_id, []) for r, s in zip(results, batch.seqs)]
 
     @staticmethod
-    def _add_logprobs(seqs, results, first_rows: dict[int, int], logits) -> None:
+    def _add_logprobs(seqs, results, work: list, logits) -> None:
         """The logprobs of the emitted tokens of every request that asked, in one batched
-        computation (`token_logprobs`) for the whole step."""
+        computation (`token_logprobs`) for the whole step. `work`: `_sample`'s (index, state,
+        first logit row, drafts) per sampling request."""
         asking = [
-            i for i, s in enumerate(seqs) if results[i] and s.sampling.num_logprobs is not None
+            (i, first) for i, _, first, _ in work if seqs[i].sampling.num_logprobs is not None
         ]
         if not asking:
             return
         rows, token_ids, num_tops = [], [], []
-        for i in asking:
+        for i, first in asking:
             tokens = results[i].sampled_token_ids
-            rows += range(first_rows[i], first_rows[i] + len(tokens))
+            rows += range(first, first + len(tokens))
             token_ids += tokens
             num_tops += [seqs[i].sampling.num_logprobs] * len(tokens)
         entries = iter(token_logprobs(logits, rows, token_ids, num_tops))
-        for i in asking:
+        for i, _ in asking:
             results[i].logprobs = [next(entries) for _ in results[i].sampled_token_ids]
 
     def _rows_together(self, logits: torch.Tensor, together: list) -> torch.Tensor:

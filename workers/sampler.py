@@ -86,29 +86,36 @@ def token_logprobs(
     logp = logits.index_select(0, torch.tensor(rows, device=device)).float().log_softmax(-1)
     chosen = logp.gather(1, torch.tensor(token_ids, device=device)[:, None]).squeeze(1)
     most = max(num_tops)
-    top_values, top_ids = logp.topk(most, dim=-1) if most else (None, None)
-    chosen = chosen.tolist()
-    if most:
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    if most:  # one copy of the values (the chosen one first in each row), one of the ids
+        top_values, top_ids = logp.topk(most, dim=-1)
+        values = torch.cat([chosen[:, None], top_values], dim=1).tolist()
+        top_ids = top_ids.tolist()
+    else:
+        values = chosen[:, None].tolist()
     out = []
     for e, (token, num_top) in enumerate(zip(token_ids, num_tops)):
-        top = list(zip(top_ids[e][:num_top], top_values[e][:num_top])) if num_top else []
-        out.append({"token_id": token, "logprob": chosen[e], "top": top})
+        top = list(zip(top_ids[e][:num_top], values[e][1 : 1 + num_top])) if num_top else []
+        out.append({"token_id": token, "logprob": values[e][0], "top": top})
     return out
 
 
 def batched_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    truncates: bool = True,
 ) -> torch.Tensor:
     """`processed_probs` with each row's own settings: [R, V] logits, [R] temperature, top_k
     (0: off) and top_p (1: off) -> [R, V] fp32 probabilities. One sort of the rows serves
-    top-k and top-p, done only where a row asks for either."""
+    top-k and top-p; `truncates` False (the caller knows no row asks for either, without
+    reading the tensors back from the device) skips it."""
     logits = logits.float() / temperature[:, None]
+    if not truncates:
+        return logits.softmax(-1)
     vocab = logits.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
-    if not bool((use_k | use_p).any()):
-        return logits.softmax(-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     # Top-k: below the k-th largest value (ties with it stay, as in processed_probs).
     kth_index = torch.where(use_k, top_k - 1, torch.full_like(top_k, vocab - 1))
@@ -145,6 +152,7 @@ def verify_and_sample_batch(
         per_row([s.temperature for s in specs]).float(),
         per_row([s.top_k or 0 for s in specs]),
         per_row([s.top_p for s in specs]).float(),
+        truncates=any((s.top_k or 0) > 0 or s.top_p < 1.0 for s in specs),
     )
     draft_rows, flat_drafts, start = [], [], 0
     for drafts, n in zip(draft_token_ids, rows_per):
@@ -163,9 +171,11 @@ def verify_and_sample_batch(
         empty = residual.sum(-1, keepdim=True) <= 0
         residual = torch.where(empty, probs, residual)
     draws = torch.multinomial(residual, 1).squeeze(1)
-    if draft_rows:
-        accepted = accept.tolist()
-    draws = draws.tolist()
+    if draft_rows:  # one copy to the host: the draws, then the acceptances
+        both = torch.cat([draws, accept.long()]).tolist()
+        draws, accepted = both[: len(draws)], both[len(draws) :]
+    else:
+        draws = draws.tolist()
     results, start, flat = [], 0, 0
     for drafts, n in zip(draft_token_ids, rows_per):
         num_accepted = 0

@@ -102,6 +102,11 @@ def test_batched_probs_are_each_rows_own():
     )
     want = torch.cat([processed_probs(LOGITS, s) for s in SPECS])
     torch.testing.assert_close(got, want)
+    # Rows that truncate nothing, said so by the caller: no sort, the same probabilities.
+    plain = batched_probs(
+        LOGITS, torch.full((3,), 1.3), torch.zeros(3, dtype=torch.long), torch.ones(3), False
+    )
+    torch.testing.assert_close(plain, processed_probs(LOGITS, SamplingSpec(temperature=1.3)))
 
 
 def test_batched_rejection_sampling_preserves_each_requests_distribution():
