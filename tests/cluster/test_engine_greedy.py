@@ -10,6 +10,7 @@ import torch
 
 from cluster.llm import LLM
 from cluster.sampling_params import SamplingParams
+from tests.preemptions import record_preemptions
 from workers.mtp_proposer import MtpProposer
 
 MAX_TOKENS = 20
@@ -73,9 +74,7 @@ def test_greedy_identical_under_preemption(tiny_model_dir, prompts, reference, k
         max_num_seqs=16,
         dtype="float32",
     )
-    preemptions = []
-    original = llm.engine.scheduler._preempt
-    llm.engine.scheduler._preempt = lambda r, o: (preemptions.append(r.request_id), original(r, o))
+    preemptions = record_preemptions(llm)
     outs = llm.generate(prompts, _greedy())
     assert [o.token_ids for o in outs] == reference
     assert preemptions

@@ -18,6 +18,7 @@ import torch
 
 from cluster.llm import LLM
 from cluster.sampling_params import InvalidRequestError, SamplingParams
+from tests.preemptions import record_preemptions
 from workers.batch import SamplingSpec
 from workers.default_model import SHIPPED_DIR
 from workers.logits_processors import (
@@ -224,9 +225,7 @@ def test_penalties_kept_across_steps_match_under_mtp_and_preemption(tiny_model_d
         max_model_len=256,
         dtype="float32",
     )
-    preemptions = []
-    original = tight.engine.scheduler._preempt
-    tight.engine.scheduler._preempt = lambda r, o: (preemptions.append(r), original(r, o))
+    preemptions = record_preemptions(tight)
     assert [o.token_ids for o in tight.generate(prompts, params)] == want
     assert preemptions, "the pool was meant to force preemption"
     plain = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)

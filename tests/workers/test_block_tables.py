@@ -10,6 +10,7 @@ import torch
 
 from cluster.llm import LLM
 from cluster.sampling_params import SamplingParams
+from tests.preemptions import record_preemptions
 from workers.batch import SeqWork
 from workers.block_tables import BlockTables
 
@@ -95,9 +96,7 @@ def test_ranks_rebuild_the_schedulers_tables_from_the_steps(tiny_model_dir, k):
         return batch
 
     runner._prepare = checking_prepare
-    preemptions = []
-    original = engine.scheduler._preempt
-    engine.scheduler._preempt = lambda r, o: (preemptions.append(r.request_id), original(r, o))
+    preemptions = record_preemptions(llm)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert preemptions, "the pool was meant to force preemption"
