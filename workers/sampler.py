@@ -18,6 +18,9 @@ import torch
 
 from workers.batch import SamplingSpec
 
+# `batched_probs` top-p of a row that has none: no prefix mass reaches it.
+NO_TOP_P = 2.0
+
 
 def generator_seed(seed: int) -> int:
     """What a request's torch.Generator is seeded with: the seed modulo 2**64, the range
@@ -99,83 +102,96 @@ def token_logprobs(
     return out
 
 
+def truncation(spec: SamplingSpec, vocab: int) -> tuple[int, float] | None:
+    """A request's top-k and top-p as `batched_probs` takes them: (the index, in descending
+    order, of the least logit top-k keeps (vocab - 1: no top-k), top-p (NO_TOP_P: none)), or
+    None when the request truncates nothing."""
+    use_k = bool(spec.top_k) and 0 < spec.top_k < vocab
+    if not use_k and spec.top_p >= 1.0:
+        return None
+    return (spec.top_k - 1 if use_k else vocab - 1), (spec.top_p if spec.top_p < 1.0 else NO_TOP_P)
+
+
 def batched_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    truncates: bool = True,
+    kth_index: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`processed_probs` with each row's own settings: [R, V] logits, [R] temperature, top_k
-    (0: off) and top_p (1: off) -> [R, V] fp32 probabilities. One sort of the rows serves
-    top-k and top-p; `truncates` False (the caller knows no row asks for either, without
-    reading the tensors back from the device) skips it."""
-    logits = logits.float() / temperature[:, None]
-    if not truncates:
+    """`processed_probs` with each row's own settings: [R, V] fp32 logits, [R] temperature,
+    and each row's `truncation` as [R] kth_index (long) and top_p -> [R, V] fp32
+    probabilities. One sort of the rows serves top-k and top-p; without kth_index (no row
+    truncates) there is no sort."""
+    logits = logits / temperature[:, None]
+    if kth_index is None:
         return logits.softmax(-1)
-    vocab = logits.shape[-1]
-    use_k = (top_k > 0) & (top_k < vocab)
-    use_p = top_p < 1.0
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     # Top-k: below the k-th largest value (ties with it stay, as in processed_probs).
-    kth_index = torch.where(use_k, top_k - 1, torch.full_like(top_k, vocab - 1))
     kth = sorted_logits.gather(1, kth_index[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     sorted_probs = sorted_logits.softmax(-1)
     # Top-p: the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]) & use_p[:, None]
+    drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
-    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+    return torch.empty_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
 def verify_and_sample_batch(
-    logits: torch.Tensor,  # [R, V]: each request's drafts + 1 rows, request after request
+    logits: torch.Tensor,  # [R, V] fp32: each request's drafts + 1 rows, request after request
     draft_token_ids: list[list[int]],
     specs: list[SamplingSpec],  # none greedy
 ) -> list[tuple[list[int], int]]:
     """`verify_and_sample` for many sampling requests without a seed of their own, in a fixed
-    number of batched operations and one copy to the host, instead of a dozen small ones and a
-    synchronizing draw per request. The same rule: draft d at row j is accepted when u < p_j(d)
-    (u uniform), the first rejected row draws from its residual (p_j without d; the draw does
-    not need it renormalized), and when every draft is accepted the last row draws the bonus
-    token. Every row's draw is made, and the host keeps the one the acceptances point at: the
-    draws are independent of the acceptances, so each emitted token keeps its distribution."""
-    device = logits.device
+    number of batched operations, one copy to the device and one to the host, instead of a
+    dozen small ones and a synchronizing draw per request. The same rule: draft d at row j is
+    accepted when u < p_j(d) (u uniform), the first rejected row draws from its residual (p_j
+    without d; the draw does not need it renormalized), and when every draft is accepted the
+    last row draws the bonus token. Every row's draw is made, and the host keeps the one the
+    acceptances point at: the draws are independent of the acceptances, so each emitted token
+    keeps its distribution.
+
+    A draw is `multinomial`'s own method without its checks (each a sync): the argmax of
+    p / E with E ~ Exp(1) per entry, which picks entry i with probability p_i / sum(p). A
+    residual with no mass left (p one-hot at its draft, which is then always accepted) draws
+    an entry that is never used."""
+    device, vocab = logits.device, logits.shape[-1]
     rows_per = [len(drafts) + 1 for drafts in draft_token_ids]
-
-    def per_row(values) -> torch.Tensor:
-        return torch.tensor([v for v, n in zip(values, rows_per) for _ in range(n)], device=device)
-
-    probs = batched_probs(
-        logits,
-        per_row([s.temperature for s in specs]).float(),
-        per_row([s.top_k or 0 for s in specs]),
-        per_row([s.top_p for s in specs]).float(),
-        truncates=any((s.top_k or 0) > 0 or s.top_p < 1.0 for s in specs),
-    )
-    draft_rows, flat_drafts, start = [], [], 0
+    cuts = [truncation(spec, vocab) for spec in specs]
+    truncates = any(cut is not None for cut in cuts)
+    # One host buffer: per row its temperature (and its truncation), then the flat positions
+    # (row * V + draft) of the drafts; float64 holds each exactly.
+    host: list[float] = []
+    for spec, n in zip(specs, rows_per):
+        host += [spec.temperature] * n
+    if truncates:
+        for cut, n in zip(cuts, rows_per):
+            host += [cut[0] if cut else vocab - 1] * n
+        for cut, n in zip(cuts, rows_per):
+            host += [cut[1] if cut else NO_TOP_P] * n
+    start = 0
     for drafts, n in zip(draft_token_ids, rows_per):
-        draft_rows += range(start, start + len(drafts))
-        flat_drafts += drafts
+        host += [(start + j) * vocab + d for j, d in enumerate(drafts)]
         start += n
-    accepted = []
+    num_rows, num_drafts = start, start - len(specs)
+    packed = torch.tensor(host, dtype=torch.float64, pin_memory=device.type == "cuda")
+    packed = packed.to(device, non_blocking=True)
+    settings = packed[: len(host) - num_drafts].float()
+    truncation_args = ()
+    if truncates:
+        truncation_args = (settings[num_rows : 2 * num_rows].long(), settings[2 * num_rows :])
+    probs = batched_probs(logits, settings[:num_rows], *truncation_args)
     residual = probs
-    if draft_rows:
-        rows = torch.tensor(draft_rows, device=device)
-        ids = torch.tensor(flat_drafts, device=device)
-        accept = torch.rand(len(draft_rows), device=device) < probs[rows, ids]
-        residual = probs.clone()
-        residual[rows, ids] = 0.0
-        # A row one-hot at its draft always accepts it; give its unused draw a valid row.
-        empty = residual.sum(-1, keepdim=True) <= 0
-        residual = torch.where(empty, probs, residual)
-    draws = torch.multinomial(residual, 1).squeeze(1)
-    if draft_rows:  # one copy to the host: the draws, then the acceptances
-        both = torch.cat([draws, accept.long()]).tolist()
-        draws, accepted = both[: len(draws)], both[len(draws) :]
+    if num_drafts:
+        at = packed[len(host) - num_drafts :].long()
+        accept = torch.rand(num_drafts, device=device) < probs.view(-1).index_select(0, at)
+        residual = probs.clone().view(-1).index_fill_(0, at, 0.0).view(num_rows, vocab)
+    draws = (residual / torch.empty_like(residual).exponential_()).argmax(-1)
+    if num_drafts:  # one copy to the host: the draws, then the acceptances
+        both = torch.cat([draws, accept]).tolist()
+        draws, accepted = both[:num_rows], both[num_rows:]
     else:
-        draws = draws.tolist()
+        draws, accepted = draws.tolist(), []
     results, start, flat = [], 0, 0
     for drafts, n in zip(draft_token_ids, rows_per):
         num_accepted = 0

@@ -15,9 +15,11 @@ from scipy.stats import chisquare
 
 from workers.batch import SamplingSpec
 from workers.sampler import (
+    NO_TOP_P,
     batched_probs,
     processed_probs,
     token_logprobs,
+    truncation,
     verify_and_sample,
     verify_and_sample_batch,
 )
@@ -94,19 +96,29 @@ SPECS = [
 def test_batched_probs_are_each_rows_own():
     rows = torch.cat([LOGITS] * len(SPECS))
     per_row = [s for s in SPECS for _ in range(len(LOGITS))]
+    vocab = LOGITS.shape[-1]
+    cuts = [truncation(s, vocab) for s in per_row]
+    assert None not in cuts[len(LOGITS) :] and cuts[0] is None  # SPECS[0] truncates nothing
+    cuts = [cut or (vocab - 1, NO_TOP_P) for cut in cuts]
     got = batched_probs(
         rows,
         torch.tensor([s.temperature for s in per_row]),
-        torch.tensor([s.top_k for s in per_row]),
-        torch.tensor([s.top_p for s in per_row]),
+        torch.tensor([k for k, _ in cuts]),
+        torch.tensor([p for _, p in cuts]),
     )
     want = torch.cat([processed_probs(LOGITS, s) for s in SPECS])
     torch.testing.assert_close(got, want)
-    # Rows that truncate nothing, said so by the caller: no sort, the same probabilities.
-    plain = batched_probs(
-        LOGITS, torch.full((3,), 1.3), torch.zeros(3, dtype=torch.long), torch.ones(3), False
-    )
+    # No row truncates: no sort, the same probabilities.
+    plain = batched_probs(LOGITS, torch.full((3,), 1.3))
     torch.testing.assert_close(plain, processed_probs(LOGITS, SamplingSpec(temperature=1.3)))
+
+
+def test_truncation_of_each_setting():
+    assert truncation(SamplingSpec(temperature=0.7), 6) is None
+    assert truncation(SamplingSpec(temperature=0.7, top_k=6), 6) is None  # keeps the vocabulary
+    assert truncation(SamplingSpec(temperature=0.7, top_k=2), 6) == (1, NO_TOP_P)
+    assert truncation(SamplingSpec(temperature=0.7, top_p=0.5), 6) == (5, 0.5)
+    assert truncation(SamplingSpec(temperature=0.7, top_k=3, top_p=0.9), 6) == (2, 0.9)
 
 
 def test_batched_rejection_sampling_preserves_each_requests_distribution():
