@@ -66,16 +66,21 @@ def process_logits(
     draft_token_ids: list[int],
     prompt_mask: torch.Tensor | None = None,  # prompt_token_mask of the prompt; None: built here
     output_counts: torch.Tensor | None = None,  # [V] counts of the output; None: counted here
+    context_len: int | None = None,
 ) -> torch.Tensor:
-    """-> fp32 logits [num_drafts + 1, V] after the request's processors."""
+    """-> fp32 logits [num_drafts + 1, V] after the request's processors. `context_len`: the
+    context is `context_token_ids[:context_len]` (the runner passes the history it keeps, drafts
+    and all, instead of copying its prefix every step)."""
     num_rows, vocab = logits.shape
     out = logits.float().clone()
     device = out.device
     num_prompt = spec.num_prompt_tokens
-    num_output = len(context_token_ids) - num_prompt
+    if context_len is None:
+        context_len = len(context_token_ids)
+    num_output = context_len - num_prompt
     if spec.repetition_penalty != 1.0 or spec.presence_penalty or spec.frequency_penalty:
         if output_counts is None:
-            output_counts = _count(context_token_ids[num_prompt:], vocab, device)
+            output_counts = _count(context_token_ids[num_prompt:context_len], vocab, device)
         counts = _row_counts(output_counts, draft_token_ids, num_rows)  # [num_rows, V]
         if spec.repetition_penalty != 1.0:
             if prompt_mask is None:

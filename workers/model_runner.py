@@ -310,16 +310,19 @@ class ModelRunner:
     def _process(self, state: _SeqState, spec, logits: torch.Tensor, drafts: list[int]):
         """The request's logits processors on its rows, with what the runner keeps of its
         history: the prompt's mask and the output's counts, built once and then kept up."""
-        context = state.token_ids[: len(state.token_ids) - len(drafts)]
+        history = state.token_ids  # the context, then this step's drafts: read, not copied
+        context_len = len(history) - len(drafts)
         vocab, num_prompt = logits.shape[-1], spec.num_prompt_tokens
         output_counts = None
         if spec.repetition_penalty != 1.0 or spec.presence_penalty or spec.frequency_penalty:
             if spec.repetition_penalty != 1.0 and state.prompt_mask is None:
-                state.prompt_mask = prompt_token_mask(context[:num_prompt], vocab, logits.device)
+                state.prompt_mask = prompt_token_mask(history[:num_prompt], vocab, logits.device)
             if state.output_counts is None:
                 state.output_counts = OutputCounts(vocab, logits.device)
-            output_counts = state.output_counts.update(context, num_prompt, len(context))
-        return process_logits(logits, spec, context, drafts, state.prompt_mask, output_counts)
+            output_counts = state.output_counts.update(history, num_prompt, context_len)
+        return process_logits(
+            logits, spec, history, drafts, state.prompt_mask, output_counts, context_len
+        )
 
     # --- tensors -------------------------------------------------------------------------------
 

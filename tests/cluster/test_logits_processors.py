@@ -72,6 +72,10 @@ def test_process_logits_closed_form():
     kept = counts.update([1, 2, 3, 3, 9], 2, 4)  # past `end`: not counted
     assert kept.tolist() == [0, 0, 0, 2, 0, 0]
     assert torch.equal(process_logits(logits, spec, [1, 2, 3, 3], [0, 4], mask, kept), out)
+    # The runner's history with the drafts after the context, read up to the context's end.
+    history = [1, 2, 3, 3, 0, 4]
+    assert torch.equal(process_logits(logits, spec, history, [0, 4], context_len=4), out)
+    assert torch.equal(process_logits(logits, spec, history, [0, 4], mask, kept, 4), out)
 
 
 def test_record_step_tokens_drops_rejected_drafts():
