@@ -7,6 +7,7 @@ every rank builds identical device tensors from them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 def uses_logits_processors(sampling) -> bool:
@@ -43,7 +44,7 @@ class SamplingSpec:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    @property
+    @cached_property  # read per request per step; the spec never changes
     def has_logits_processors(self) -> bool:
         return uses_logits_processors(self)
 

@@ -30,8 +30,10 @@ class BlockTables:
                 f"request {rid}: the step keeps the first {start} entries of its block table "
                 f"and this rank holds {have}"
             )
-        length = start + len(seq.block_ids)
         table = self._tables.get(rid)
+        if start == have and not seq.block_ids and table is not None:
+            return table[:have]  # most decode steps: nothing new
+        length = start + len(seq.block_ids)
         if table is None or table.size < length:
             grown = np.empty(max(length, 2 * (0 if table is None else table.size), 16), np.int32)
             if start:
