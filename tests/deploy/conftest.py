@@ -30,9 +30,17 @@ APP_NAME = "mtpserve"
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports: each socket stays bound until all are chosen (ports taken one
+    at a time can repeat, and Ray refuses two components on one port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def app_args(model_dir: str, **engine) -> dict:
@@ -172,7 +180,8 @@ def ray_head(
     machine (the other tests' and other engineers'). `ray start --block` often takes over 30 s
     to finish on SIGTERM on the 2-core box, hence SIGKILL after `stop_timeout_s`."""
     temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: unix socket path limit
-    gcs_port, dashboard_port = gcs_port or free_port(), free_port()
+    ports = iter([p for p in free_ports(10) if p != gcs_port][:9])
+    gcs_port, dashboard_port = gcs_port or next(ports), next(ports)
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "disabled",
@@ -199,19 +208,19 @@ def ray_head(
         "--include-dashboard",
         "true",
         "--dashboard-agent-listen-port",
-        str(free_port()),
+        str(next(ports)),
         "--dashboard-agent-grpc-port",
-        str(free_port()),
+        str(next(ports)),
         "--metrics-export-port",
-        str(free_port()),
+        str(next(ports)),
         "--runtime-env-agent-port",
-        str(free_port()),
+        str(next(ports)),
         "--node-manager-port",
-        str(free_port()),
+        str(next(ports)),
         "--object-manager-port",
-        str(free_port()),
+        str(next(ports)),
         "--ray-client-server-port",
-        str(free_port()),
+        str(next(ports)),
         *extra_args,
     ]
     log_path = Path(temp_dir) / "ray-start.log"
