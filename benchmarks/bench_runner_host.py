@@ -1,7 +1,7 @@
 """The model runner's host work per decode step, by phase, batch size and context.
 
     python benchmarks/bench_runner_host.py [--device cpu|cuda] [--path graph|eager] [--drafts K]
-        [--temperature T [--top-p P]]
+        [--temperature T [--top-p P] [--seed S]]
 
 Runs `ModelRunner.execute` on decode steps of the tiny checkpoint with the model replaced by a
 stand-in whose forward and LM head return preallocated hidden states and logits of the right
@@ -161,8 +161,11 @@ def main() -> None:
         help="every request samples at this temperature (with --top-p); 0: greedy",
     )
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument(
+        "--seed", type=int, default=None, help="with --temperature: every request seeded"
+    )
     args = ap.parse_args()
-    sampling = SamplingSpec(temperature=args.temperature, top_p=args.top_p)
+    sampling = SamplingSpec(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     device = torch.device(args.device)
     torch.set_num_threads(1)
     clock = PhaseClock()
@@ -170,6 +173,7 @@ def main() -> None:
     runner = build_runner(device, args.path, max(BATCHES), max(BATCHES) * q, clock)
     vocab = runner.model.config.vocab_size
     how = f"temperature {args.temperature}, top-p {args.top_p}" if args.temperature else "greedy"
+    how += "" if args.seed is None or not args.temperature else f", seed {args.seed}"
     print(f"device {device}, {args.path} path, {q} token(s) per sequence, {how}, us per step")
     print("| batch | context | " + " | ".join(PHASES) + " | whole step |")
     print("|---|---|" + "---|" * (len(PHASES) + 1))

@@ -240,9 +240,9 @@ class ModelRunner:
                 self._argmax_copied.synchronize()
             argmax = argmax.tolist()
         results = [None] * len(batch.seqs)
-        # Sampling requests without a seed of their own draw together (one batched sampler,
-        # one copy to the host); a seeded one draws from its own generator, alone.
-        together = []  # (index in the step, first logit row, its rows, drafts)
+        # Sampling requests draw together (one batched sampler, one copy to the host); a
+        # seeded one takes its random numbers from its own generator there.
+        together = []  # (index in the step, first logit row, its processed rows, drafts)
         for i, state, first, drafts in work:
             s, end = batch.seqs[i], first + len(drafts) + 1
             spec = s.sampling
@@ -253,7 +253,7 @@ class ModelRunner:
                 if spec.has_logits_processors:
                     sample_logits = self._process(state, spec, sample_logits, drafts)
                     seq_argmax = None
-                if not spec.greedy and state.generator is None:
+                if not spec.greedy:
                     processed = sample_logits if spec.has_logits_processors else None
                     together.append((i, first, processed, drafts))
                     continue
@@ -266,6 +266,7 @@ class ModelRunner:
                 self._rows_together(logits, together),
                 [drafts for _, _, _, drafts in together],
                 [batch.seqs[i].sampling for i, _, _, _ in together],
+                [self.states[batch.seqs[i].request_id].generator for i, *_ in together],
             )
             for (i, _, _, _), (tokens, accepted) in zip(together, drawn):
                 results[i] = SeqResult(batch.seqs[i].request_id, tokens, accepted)

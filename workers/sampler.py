@@ -141,15 +141,19 @@ def verify_and_sample_batch(
     logits: torch.Tensor,  # [R, V] fp32: each request's drafts + 1 rows, request after request
     draft_token_ids: list[list[int]],
     specs: list[SamplingSpec],  # none greedy
+    generators: list[torch.Generator | None] | None = None,  # a seeded request's own stream
 ) -> list[tuple[list[int], int]]:
-    """`verify_and_sample` for many sampling requests without a seed of their own, in a fixed
-    number of batched operations, one copy to the device and one to the host, instead of a
-    dozen small ones and a synchronizing draw per request. The same rule: draft d at row j is
-    accepted when u < p_j(d) (u uniform), the first rejected row draws from its residual (p_j
-    without d; the draw does not need it renormalized), and when every draft is accepted the
-    last row draws the bonus token. Every row's draw is made, and the host keeps the one the
-    acceptances point at: the draws are independent of the acceptances, so each emitted token
-    keeps its distribution.
+    """`verify_and_sample` for many sampling requests, in a fixed number of batched operations,
+    one copy to the device and one to the host, instead of a dozen small ones and a
+    synchronizing draw per request. A request with a generator of its own (a seed) takes its
+    uniforms and its noise from it, two operations more each and no synchronization, so its
+    tokens depend on its seed and not on the step's other requests.
+
+    The same rule: draft d at row j is accepted when u < p_j(d) (u uniform), the first
+    rejected row draws from its residual (p_j without d; the draw does not need it
+    renormalized), and when every draft is accepted the last row draws the bonus token. Every
+    row's draw is made, and the host keeps the one the acceptances point at: the draws are
+    independent of the acceptances, so each emitted token keeps its distribution.
 
     A draw is `multinomial`'s own method without its checks (each a sync): the argmax of
     p / E with E ~ Exp(1) per entry, which picks entry i with probability p_i / sum(p). A
@@ -169,9 +173,10 @@ def verify_and_sample_batch(
             host += [cut[0] if cut else vocab - 1] * n
         for cut, n in zip(cuts, rows_per):
             host += [cut[1] if cut else NO_TOP_P] * n
-    start = 0
+    start, row_starts = 0, []
     for drafts, n in zip(draft_token_ids, rows_per):
         host += [(start + j) * vocab + d for j, d in enumerate(drafts)]
+        row_starts.append(start)
         start += n
     num_rows, num_drafts = start, start - len(specs)
     packed = torch.tensor(host, dtype=torch.float64, pin_memory=device.type == "cuda")
@@ -181,12 +186,24 @@ def verify_and_sample_batch(
     if truncates:
         truncation_args = (settings[num_rows : 2 * num_rows].long(), settings[2 * num_rows :])
     probs = batched_probs(logits, settings[:num_rows], *truncation_args)
+    seeded = [] if generators is None else [(i, g) for i, g in enumerate(generators) if g]
     residual = probs
     if num_drafts:
         at = packed[len(host) - num_drafts :].long()
-        accept = torch.rand(num_drafts, device=device) < probs.view(-1).index_select(0, at)
+        uniforms = torch.empty(num_drafts, device=device)
+        if len(seeded) < len(specs):  # the global stream for those without a seed
+            uniforms.uniform_()
+        for i, generator in seeded:
+            first = row_starts[i] - i  # the request's first draft among all drafts
+            uniforms[first : first + rows_per[i] - 1].uniform_(generator=generator)
+        accept = uniforms < probs.view(-1).index_select(0, at)
         residual = probs.clone().view(-1).index_fill_(0, at, 0.0).view(num_rows, vocab)
-    draws = (residual / torch.empty_like(residual).exponential_()).argmax(-1)
+    noise = torch.empty_like(residual)
+    if len(seeded) < len(specs):
+        noise.exponential_()
+    for i, generator in seeded:
+        noise[row_starts[i] : row_starts[i] + rows_per[i]].exponential_(generator=generator)
+    draws = (residual / noise).argmax(-1)
     if num_drafts:  # one copy to the host: the draws, then the acceptances
         both = torch.cat([draws, accept]).tolist()
         draws, accepted = both[:num_rows], both[num_rows:]

@@ -48,19 +48,20 @@ def test_failing_request_fails_alone_and_others_are_unchanged(
 ):
     reference = [out.token_ids for out in _run(engine, GOOD).values()]
 
-    real = workers.model_runner.verify_and_sample
+    real = workers.model_runner.verify_and_sample_batch
     calls = {"bad": 0}
 
-    def faulty(logits, drafts, spec, generator, argmax=None):
-        if spec.seed == BAD_SEED:
+    def faulty(logits, drafts, specs, generators=None):
+        # The seeded requests drawn with the bad one take their draws first: a step that
+        # failed after them would change their streams unless the worker put them back.
+        drawn = real(logits, drafts, specs, generators)
+        if any(spec.seed == BAD_SEED for spec in specs):
             calls["bad"] += 1
             if calls["bad"] > fail_after_calls:
                 raise RuntimeError("injected failure")
-        return real(logits, drafts, spec, generator, argmax)
+        return drawn
 
-    monkeypatch.setattr(workers.model_runner, "verify_and_sample", faulty)
-    # The bad request sits between seeded ones, so a step that failed after drawing for the
-    # first would change its stream unless the worker put it back.
+    monkeypatch.setattr(workers.model_runner, "verify_and_sample_batch", faulty)
     requests = GOOD[:1] + [(PROMPTS[3], _params(BAD_SEED))] + GOOD[1:]
     outs = list(_run(engine, requests).values())
     bad = outs.pop(1)
@@ -70,7 +71,7 @@ def test_failing_request_fails_alone_and_others_are_unchanged(
     assert [out.token_ids for out in outs] == reference
     assert all(out.finish_reason == "length" for out in outs)
 
-    monkeypatch.setattr(workers.model_runner, "verify_and_sample", real)
+    monkeypatch.setattr(workers.model_runner, "verify_and_sample_batch", real)
     assert [out.token_ids for out in _run(engine, GOOD).values()] == reference
     assert engine.scheduler.block_manager.num_free_blocks == (
         engine.scheduler.block_manager.num_usable_blocks

@@ -171,3 +171,38 @@ def test_token_logprobs_of_a_step_at_once():
         values, ids = logp[row].topk(top) if top else (torch.tensor([]), torch.tensor([]))
         assert [t for t, _ in entry["top"]] == ids.tolist()
         assert [v for _, v in entry["top"]] == pytest.approx(values.tolist(), abs=1e-6)
+
+
+def test_seeded_requests_in_a_batch_draw_from_their_own_streams():
+    """A seeded request's tokens depend on its generator only, not on the requests drawn with
+    it or on the global stream; and seeded draws keep each request's distribution."""
+    drafts = [1, 3]
+    spec = SPECS[1]
+    num_seeded = 200
+
+    def draw(companions: int, global_seed: int) -> list[tuple[list[int], int]]:
+        """The seeded requests (seeds 0..num_seeded-1), each after `companions` unseeded."""
+        torch.manual_seed(global_seed)
+        specs, generators = [], []
+        for seed in range(num_seeded):
+            specs += [SPECS[2]] * companions + [spec]
+            generators += [None] * companions + [torch.Generator().manual_seed(seed)]
+        logits = torch.cat([LOGITS] * len(specs))
+        out = verify_and_sample_batch(logits, [drafts] * len(specs), specs, generators)
+        return out[companions :: companions + 1]
+
+    alone = draw(0, 0)
+    assert draw(0, 5) == alone
+    assert draw(2, 1) == alone
+    assert len({tuple(tokens) for tokens, _ in alone}) > 1  # the seeds do draw differently
+    # Each of NUM_DRAWS requests with a seed of its own: the first tokens follow row 0.
+    generators = [torch.Generator().manual_seed(s) for s in range(NUM_DRAWS)]
+    specs = [spec] * NUM_DRAWS
+    out = verify_and_sample_batch(
+        torch.cat([LOGITS] * NUM_DRAWS), [drafts] * NUM_DRAWS, specs, generators
+    )
+    first = torch.bincount(torch.tensor([t[0] for t, _ in out]), minlength=6).float()
+    p0 = processed_probs(LOGITS[0:1], spec)[0]
+    keep = p0 > 0
+    assert first[~keep].sum() == 0
+    assert chisquare(first[keep], p0[keep] * NUM_DRAWS).pvalue > ALPHA
