@@ -105,14 +105,14 @@ def _fail_seed(actor, seed: int) -> None:
     """On this rank, sampling raises for requests seeded `seed` (every rank alike)."""
     import workers.model_runner as runner_module
 
-    real = runner_module.verify_and_sample
+    real = runner_module.verify_and_sample_batch
 
-    def faulty(logits, drafts, spec, generator, argmax=None):
-        if spec.seed == seed:
+    def faulty(logits, drafts, specs, generators=None):
+        if any(spec.seed == seed for spec in specs):
             raise RuntimeError("injected failure")
-        return real(logits, drafts, spec, generator, argmax)
+        return real(logits, drafts, specs, generators)
 
-    runner_module.verify_and_sample = faulty
+    runner_module.verify_and_sample_batch = faulty
 
 
 def test_request_failing_on_every_rank_fails_alone(ray_local, tiny_model_dir, prompts):

@@ -19,7 +19,10 @@ pytestmark = pytest.mark.timeout(240)
 def _sabotage_sampler(actor) -> None:
     import workers.model_runner as runner_module
 
-    runner_module.verify_and_sample = lambda logits, drafts, spec, generator, argmax=None: ([7], 0)
+    def disagree(logits, drafts, specs, generators=None):
+        return [([7], 0)] * len(specs)
+
+    runner_module.verify_and_sample_batch = disagree
 
 
 def _seeded(i: int):
