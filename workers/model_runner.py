@@ -243,6 +243,7 @@ class ModelRunner:
         # Sampling requests draw together (one batched sampler, one copy to the host); a
         # seeded one takes its random numbers from its own generator there.
         together = []  # (index in the step, first logit row, its processed rows, drafts)
+        generators = []  # each of together's own random stream (None: no seed)
         for i, state, first, drafts in work:
             s, end = batch.seqs[i], first + len(drafts) + 1
             spec = s.sampling
@@ -256,6 +257,7 @@ class ModelRunner:
                 if not spec.greedy:
                     processed = sample_logits if spec.has_logits_processors else None
                     together.append((i, first, processed, drafts))
+                    generators.append(state.generator)
                     continue
                 tokens, accepted = verify_and_sample(
                     sample_logits, drafts, spec, state.generator, seq_argmax
@@ -266,7 +268,7 @@ class ModelRunner:
                 self._rows_together(logits, together),
                 [drafts for _, _, _, drafts in together],
                 [batch.seqs[i].sampling for i, _, _, _ in together],
-                [self.states[batch.seqs[i].request_id].generator for i, *_ in together],
+                generators,
             )
             for (i, _, _, _), (tokens, accepted) in zip(together, drawn):
                 results[i] = SeqResult(batch.seqs[i].request_id, tokens, accepted)

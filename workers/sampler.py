@@ -85,9 +85,9 @@ def token_logprobs(
     entry e is token_ids[e] at row rows[e] of `logits` with its num_tops[e] most likely tokens.
     All entries of a step at once: one gather, one log-softmax, one top-k, one copy to the
     host (not a synchronizing read per token)."""
-    device = logits.device
-    logp = logits.index_select(0, torch.tensor(rows, device=device)).float().log_softmax(-1)
-    chosen = logp.gather(1, torch.tensor(token_ids, device=device)[:, None]).squeeze(1)
+    index = torch.tensor([rows, token_ids], device=logits.device)  # one copy to the device
+    logp = logits.index_select(0, index[0]).float().log_softmax(-1)
+    chosen = logp.gather(1, index[1][:, None]).squeeze(1)
     most = max(num_tops)
     if most:  # one copy of the values (the chosen one first in each row), one of the ids
         top_values, top_ids = logp.topk(most, dim=-1)
@@ -186,7 +186,7 @@ def verify_and_sample_batch(
     if truncates:
         truncation_args = (settings[num_rows : 2 * num_rows].long(), settings[2 * num_rows :])
     probs = batched_probs(logits, settings[:num_rows], *truncation_args)
-    seeded = [] if generators is None else [(i, g) for i, g in enumerate(generators) if g]
+    seeded = [(i, g) for i, g in enumerate(generators or ()) if g is not None]
     residual = probs
     if num_drafts:
         at = packed[len(host) - num_drafts :].long()
@@ -197,7 +197,8 @@ def verify_and_sample_batch(
             first = row_starts[i] - i  # the request's first draft among all drafts
             uniforms[first : first + rows_per[i] - 1].uniform_(generator=generator)
         accept = uniforms < probs.view(-1).index_select(0, at)
-        residual = probs.clone().view(-1).index_fill_(0, at, 0.0).view(num_rows, vocab)
+        # probs is this call's own tensor and `accept` has read it: cleared in place.
+        residual = probs.view(-1).index_fill_(0, at, 0.0).view(num_rows, vocab)
     noise = torch.empty_like(residual)
     if len(seeded) < len(specs):
         noise.exponential_()
