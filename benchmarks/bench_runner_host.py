@@ -1,7 +1,7 @@
 """The model runner's host work per decode step, by phase, batch size and context.
 
     python benchmarks/bench_runner_host.py [--device cpu|cuda] [--path graph|eager] [--drafts K]
-        [--temperature T [--top-p P] [--seed S]]
+        [--temperature T [--top-p P] [--seed S] [--sampler graph|eager]]
 
 Runs `ModelRunner.execute` on decode steps of the tiny checkpoint with the model replaced by a
 stand-in whose forward and LM head return preallocated hidden states and logits of the right
@@ -99,7 +99,9 @@ class PhaseClock:
         return timed
 
 
-def build_runner(device: torch.device, path: str, max_batch: int, max_rows: int, clock):
+def build_runner(
+    device: torch.device, path: str, max_batch: int, max_rows: int, clock, sampler: str = "graph"
+):
     model, _ = load_model(tiny_model_path(), torch.float32, device, enable_mtp=False)
     max_context = max(CONTEXTS) + BLOCK
     runner = ModelRunner(model, 2, BLOCK, device, 0, max_context)
@@ -118,6 +120,12 @@ def build_runner(device: torch.device, path: str, max_batch: int, max_rows: int,
             graphs.capture_graph = lambda forward: (_NoReplay(), forward())
         graphs.load = clock.wrap("inputs", graphs.load)
         runner.graphs = graphs
+        if device.type == "cuda" and sampler == "graph":
+            from workers.cuda_graph import SamplerGraphs
+            from workers.model_runner import SAMPLER_GRAPH_MAX_ROWS
+
+            vocab = model.config.vocab_size
+            runner.sampler_graphs = SamplerGraphs(graphs, vocab, SAMPLER_GRAPH_MAX_ROWS)
     runner._prepare = clock.wrap("prepare", runner._prepare)
     runner._forward = clock.wrap("launch", runner._forward)
     runner._sample = clock.wrap("sample", runner._sample)
@@ -162,6 +170,12 @@ def main() -> None:
     )
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument(
+        "--sampler",
+        choices=("graph", "eager"),
+        default="graph",
+        help="sampling requests drawn in the sampler's CUDA graphs (CUDA, graph path) or eagerly",
+    )
+    ap.add_argument(
         "--seed", type=int, default=None, help="with --temperature: every request seeded"
     )
     args = ap.parse_args()
@@ -170,10 +184,12 @@ def main() -> None:
     torch.set_num_threads(1)
     clock = PhaseClock()
     q = args.drafts + 1
-    runner = build_runner(device, args.path, max(BATCHES), max(BATCHES) * q, clock)
+    runner = build_runner(device, args.path, max(BATCHES), max(BATCHES) * q, clock, args.sampler)
     vocab = runner.model.config.vocab_size
     how = f"temperature {args.temperature}, top-p {args.top_p}" if args.temperature else "greedy"
     how += "" if args.seed is None or not args.temperature else f", seed {args.seed}"
+    if args.temperature:
+        how += f", sampler {'graphs' if runner.sampler_graphs is not None else 'eager'}"
     print(f"device {device}, {args.path} path, {q} token(s) per sequence, {how}, us per step")
     print("| batch | context | " + " | ".join(PHASES) + " | whole step |")
     print("|---|---|" + "---|" * (len(PHASES) + 1))

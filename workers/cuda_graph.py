@@ -139,6 +139,68 @@ class DecodeGraphs:
         return step.outputs
 
 
+class SamplerGraphs:
+    """CUDA graphs of the batched sampler's device work (`workers.sampler.sample_rows`), keyed by
+    (row bucket, whether any row truncates): eagerly it is ~25 small launches a sampled step
+    (temperature, the sort for top-k / top-p, softmax, cumulative sums, the draft's
+    acceptance, the draw), each host time on a busy node; replayed it is one. The static
+    inputs are the rows' logits, their settings and the step's noise (filled before the
+    replay, so that a seeded request's noise still comes from its own generator); rows past
+    a step's are padding, finite logits with no draft, whose draws are never read. Buckets are
+    powers of two up to `max_rows`; a step with more rows samples eagerly."""
+
+    def __init__(self, decode: DecodeGraphs, vocab: int, max_rows: int):
+        self.decode = decode
+        self.vocab = vocab
+        self.buckets = [b for b in (1 << i for i in range(16)) if b < max_rows] + [max_rows]
+        device = decode.device
+        # The buckets share one buffer of logits and one of noise (a bucket's rows are a
+        # prefix of them): [max_rows, V] and [max_rows, V + 1] fp32.
+        self._logits = torch.zeros(max_rows, vocab, device=device)
+        self._noise = torch.ones(max_rows, vocab + 1, device=device)
+        self._settings = {
+            b: torch.tensor([[1.0], [vocab - 1], [2.0], [-1]], dtype=torch.float64)
+            .expand(4, b)
+            .contiguous()
+            .to(device)
+            for b in self.buckets
+        }
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def bucket(self, num_rows: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, num_rows)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def logits(self, num_rows: int) -> torch.Tensor:
+        """The static logits of the first `num_rows` rows: the caller gathers a step's into it."""
+        return self._logits[:num_rows]
+
+    def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A bucket's static settings [4, size] and noise [size, V + 1]."""
+        return self._settings[size], self._noise[:size]
+
+    def keys(self) -> list[tuple[int, bool]]:
+        return [(b, truncates) for b in self.buckets for truncates in (False, True)]
+
+    def capture(self, size: int, truncates: bool) -> None:
+        from workers.sampler import sample_rows
+
+        settings, noise = self.inputs(size)
+        logits = self._logits[:size]
+        graph, out = self.decode.capture_graph(
+            lambda: sample_rows(logits, settings, noise, truncates)
+        )
+        self.graphs[(size, truncates)] = (graph, out)
+
+    def replay(self, size: int, truncates: bool) -> torch.Tensor:
+        """-> [2, size] long (`sample_rows`) for the inputs last loaded into the bucket."""
+        if (size, truncates) not in self.graphs:
+            self.capture(size, truncates)
+        graph, out = self.graphs[(size, truncates)]
+        graph.replay()
+        return out
+
+
 class ProposeGraphs:
     """CUDA graphs of a whole MTP proposal (workers.mtp_proposer.draft_chain): draft step 0
     over the step's pair rows, then steps 1..k-1.

@@ -35,6 +35,11 @@ from workers.sampler import (
 )
 from workers.step_tensors import StepLayout, StepTensors, pack_step
 
+# Rows of the largest sampler graph (workers.cuda_graph.SamplerGraphs): 64 requests verifying
+# three drafts. Its static logits and noise take 2 x rows x V x 4 bytes (265 MB at
+# DeepSeek-V3.2's vocabulary); a step sampling more rows samples eagerly.
+SAMPLER_GRAPH_MAX_ROWS = 256
+
 
 @dataclass
 class _SeqState:
@@ -92,6 +97,13 @@ class ModelRunner:
         self.proposer = (
             MtpProposer(model, block_size_tokens, self.graphs) if model.mtp is not None else None
         )
+        self.sampler_graphs = None  # the batched sampler's graphs, beside the decode graphs
+        if self.graphs is not None:
+            from workers.cuda_graph import SamplerGraphs
+
+            self.sampler_graphs = SamplerGraphs(
+                self.graphs, model.config.vocab_size, SAMPLER_GRAPH_MAX_ROWS
+            )
         # Marks the sampled tokens' device-to-host copy done (CUDA): see `_forward`.
         self._argmax_copied = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -264,11 +276,16 @@ class ModelRunner:
                 )
             results[i] = SeqResult(s.request_id, tokens, accepted)
         if together:
+            num_rows = sum(len(drafts) + 1 for _, _, _, drafts in together)
+            graphs = self.sampler_graphs
+            if graphs is not None and graphs.bucket(num_rows) is None:
+                graphs = None
             drawn = verify_and_sample_batch(
-                self._rows_together(logits, together),
+                self._rows_together(logits, together, graphs),
                 [drafts for _, _, _, drafts in together],
                 [batch.seqs[i].sampling for i, _, _, _ in together],
                 generators,
+                graphs,
             )
             for (i, _, _, _), (tokens, accepted) in zip(together, drawn):
                 results[i] = SeqResult(batch.seqs[i].request_id, tokens, accepted)
@@ -295,9 +312,10 @@ class ModelRunner:
         for i, _ in asking:
             results[i].logprobs = [next(entries) for _ in results[i].sampled_token_ids]
 
-    def _rows_together(self, logits: torch.Tensor, together: list) -> torch.Tensor:
-        """The logit rows of the requests sampled together, in one gather (fp32), with the
-        rows of requests that have logits processors replaced by their processed ones."""
+    def _rows_together(self, logits: torch.Tensor, together: list, graphs=None) -> torch.Tensor:
+        """The logit rows of the requests sampled together, in one gather (fp32; into the
+        sampler graphs' static logits when given), with the rows of requests that have logits
+        processors replaced by their processed ones."""
         index, spans = [], []
         for _, first, processed, drafts in together:
             if processed is not None:
@@ -305,7 +323,11 @@ class ModelRunner:
             index += range(first, first + len(drafts) + 1)
         pinned = self.device.type == "cuda"
         index = torch.tensor(index, dtype=torch.long, pin_memory=pinned)
-        rows = logits.index_select(0, index.to(logits.device, non_blocking=True)).float()
+        index = index.to(logits.device, non_blocking=True)
+        if graphs is not None:
+            rows = torch.index_select(logits, 0, index, out=graphs.logits(len(index)))
+        else:
+            rows = logits.index_select(0, index).float()
         for start, processed in spans:
             rows[start : start + processed.shape[0]] = processed
         return rows

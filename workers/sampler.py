@@ -137,86 +137,97 @@ def batched_probs(
     return torch.empty_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
+def sample_rows(
+    logits: torch.Tensor,  # [R, V] fp32
+    settings: torch.Tensor,  # [4, R] float64: temperature, kth index, top-p, draft (-1: none)
+    noise: torch.Tensor,  # [R, V + 1] fp32, Exp(1) entries
+    truncates: bool,  # any row with top-k or top-p (else no sort)
+) -> torch.Tensor:
+    """The batched sampler's device work, with no host work and no synchronization: what
+    `workers.cuda_graph.SamplerGraphs` captures, and what runs eagerly where there is no graph.
+    -> [2, R] long: each row's draw, and whether the draft the row verifies is accepted.
+
+    Row j verifying draft d accepts it when u < p_j(d), u = exp(-noise[j, V]) (uniform when
+    the noise is Exp(1)); the row's draw is from its residual (p_j without d; a row with no
+    draft draws from p_j): the argmax of p / E over its noise E, `multinomial`'s own method,
+    which picks entry i with probability p_i / sum(p). A residual with no mass left (p
+    one-hot at its draft, which is then always accepted) draws an entry that is never used."""
+    temperature = settings[0].float()
+    truncation_args = (settings[1].long(), settings[2].float()) if truncates else ()
+    probs = batched_probs(logits, temperature, *truncation_args)
+    draft = settings[3].long()[:, None]
+    verifies = draft >= 0
+    at = draft.clamp(min=0)
+    p_draft = probs.gather(1, at)
+    accept = verifies & (torch.exp(-noise[:, -1:]) < p_draft)
+    # probs is this call's own tensor and `accept` has read it: the draft cleared in place.
+    residual = probs.scatter_(1, at, torch.where(verifies, 0.0, p_draft))
+    # An Exp(1) draw of exactly 0 would make 0 / 0 a NaN, which argmax would pick.
+    draws = (residual / noise[:, :-1].clamp(min=torch.finfo(torch.float32).tiny)).argmax(-1)
+    return torch.stack([draws, accept[:, 0].long()])
+
+
 def verify_and_sample_batch(
     logits: torch.Tensor,  # [R, V] fp32: each request's drafts + 1 rows, request after request
     draft_token_ids: list[list[int]],
     specs: list[SamplingSpec],  # none greedy
     generators: list[torch.Generator | None] | None = None,  # a seeded request's own stream
+    graphs=None,  # workers.cuda_graph.SamplerGraphs; logits then its `logits(R)`
 ) -> list[tuple[list[int], int]]:
-    """`verify_and_sample` for many sampling requests, in a fixed number of batched operations,
-    one copy to the device and one to the host, instead of a dozen small ones and a
+    """`verify_and_sample` for many sampling requests at once (`sample_rows`): one copy to the
+    device, one fill of noise, the batched device work (one graph replay where `graphs` has
+    a bucket of R rows), one copy to the host; instead of a dozen small operations and a
     synchronizing draw per request. A request with a generator of its own (a seed) takes its
-    uniforms and its noise from it, two operations more each and no synchronization, so its
-    tokens depend on its seed and not on the step's other requests.
+    noise from it, one operation more each and no synchronization, so its tokens depend on
+    its seed and not on the step's other requests (nor on whether a graph ran).
 
-    The same rule: draft d at row j is accepted when u < p_j(d) (u uniform), the first
-    rejected row draws from its residual (p_j without d; the draw does not need it
-    renormalized), and when every draft is accepted the last row draws the bonus token. Every
-    row's draw is made, and the host keeps the one the acceptances point at: the draws are
-    independent of the acceptances, so each emitted token keeps its distribution.
-
-    A draw is `multinomial`'s own method without its checks (each a sync): the argmax of
-    p / E with E ~ Exp(1) per entry, which picks entry i with probability p_i / sum(p). A
-    residual with no mass left (p one-hot at its draft, which is then always accepted) draws
-    an entry that is never used."""
+    The same rule as `verify_and_sample`: draft d at row j is accepted when u < p_j(d), the
+    first rejected row draws from its residual, and when every draft is accepted the last row
+    draws the bonus token. Every row's draw is made, and the host keeps the one the
+    acceptances point at: the draws are independent of the acceptances, so each emitted token
+    keeps its distribution."""
     device, vocab = logits.device, logits.shape[-1]
     rows_per = [len(drafts) + 1 for drafts in draft_token_ids]
+    num_rows = sum(rows_per)
+    size = graphs.bucket(num_rows) if graphs is not None else num_rows
     cuts = [truncation(spec, vocab) for spec in specs]
     truncates = any(cut is not None for cut in cuts)
-    # One host buffer: per row its temperature (and its truncation), then the flat positions
-    # (row * V + draft) of the drafts; float64 holds each exactly.
-    host: list[float] = []
-    for spec, n in zip(specs, rows_per):
-        host += [spec.temperature] * n
-    if truncates:
-        for cut, n in zip(cuts, rows_per):
-            host += [cut[0] if cut else vocab - 1] * n
-        for cut, n in zip(cuts, rows_per):
-            host += [cut[1] if cut else NO_TOP_P] * n
-    start, row_starts = 0, []
-    for drafts, n in zip(draft_token_ids, rows_per):
-        host += [(start + j) * vocab + d for j, d in enumerate(drafts)]
-        row_starts.append(start)
-        start += n
-    num_rows, num_drafts = start, start - len(specs)
-    packed = torch.tensor(host, dtype=torch.float64, pin_memory=device.type == "cuda")
-    packed = packed.to(device, non_blocking=True)
-    settings = packed[: len(host) - num_drafts].float()
-    truncation_args = ()
-    if truncates:
-        truncation_args = (settings[num_rows : 2 * num_rows].long(), settings[2 * num_rows :])
-    probs = batched_probs(logits, settings[:num_rows], *truncation_args)
+    # One host buffer, rows padded to the graph's: per row its temperature, its truncation and
+    # the draft it verifies (-1: none); float64 holds each exactly.
+    temperature, kth, top_p, draft, row_starts = [], [], [], [], []
+    for spec, cut, drafts, n in zip(specs, cuts, draft_token_ids, rows_per):
+        row_starts.append(len(draft))
+        temperature += [spec.temperature] * n
+        kth += [cut[0] if cut else vocab - 1] * n
+        top_p += [cut[1] if cut else NO_TOP_P] * n
+        draft += drafts
+        draft.append(-1)
+    host = torch.empty(4, size, dtype=torch.float64, pin_memory=device.type == "cuda")
+    packed = host.numpy()
+    packed[:, :num_rows] = temperature, kth, top_p, draft
+    packed[:, num_rows:] = [[1.0], [vocab - 1], [NO_TOP_P], [-1]]
+    if graphs is not None:
+        settings, noise = graphs.inputs(size)
+        settings.copy_(host, non_blocking=True)
+    else:
+        settings = host.to(device, non_blocking=True)
+        noise = torch.empty(size, vocab + 1, device=device)
     seeded = [(i, g) for i, g in enumerate(generators or ()) if g is not None]
-    residual = probs
-    if num_drafts:
-        at = packed[len(host) - num_drafts :].long()
-        uniforms = torch.empty(num_drafts, device=device)
-        if len(seeded) < len(specs):  # the global stream for those without a seed
-            uniforms.uniform_()
-        for i, generator in seeded:
-            first = row_starts[i] - i  # the request's first draft among all drafts
-            uniforms[first : first + rows_per[i] - 1].uniform_(generator=generator)
-        accept = uniforms < probs.view(-1).index_select(0, at)
-        # probs is this call's own tensor and `accept` has read it: cleared in place.
-        residual = probs.view(-1).index_fill_(0, at, 0.0).view(num_rows, vocab)
-    noise = torch.empty_like(residual)
-    if len(seeded) < len(specs):
+    if len(seeded) < len(specs):  # the global stream for those without a seed
         noise.exponential_()
     for i, generator in seeded:
         noise[row_starts[i] : row_starts[i] + rows_per[i]].exponential_(generator=generator)
-    draws = (residual / noise).argmax(-1)
-    if num_drafts:  # one copy to the host: the draws, then the acceptances
-        both = torch.cat([draws, accept]).tolist()
-        draws, accepted = both[:num_rows], both[num_rows:]
+    if graphs is not None:
+        out = graphs.replay(size, truncates)
     else:
-        draws, accepted = draws.tolist(), []
-    results, start, flat = [], 0, 0
+        out = sample_rows(logits, settings, noise, truncates)
+    draws, accepted = out.tolist()  # one copy to the host
+    results, start = [], 0
     for drafts, n in zip(draft_token_ids, rows_per):
         num_accepted = 0
-        while num_accepted < len(drafts) and accepted[flat + num_accepted]:
+        while num_accepted < len(drafts) and accepted[start + num_accepted]:
             num_accepted += 1
         tokens = list(drafts[:num_accepted]) + [draws[start + num_accepted]]
         results.append((tokens, num_accepted))
         start += n
-        flat += len(drafts)
     return results

@@ -244,11 +244,12 @@ class Worker:
     def warm_up(self, num_draft_tokens: int, share_topk: bool) -> WarmUp:
         """Compile and capture now, before the engine reports ready, what the first requests
         would otherwise pay for: a CUDA graph of the decode step for every batch bucket of the
-        graph table, and of the MTP proposal after a verify (Triton compiles each kernel
-        variant while the graph warms it up, `DecodeGraphs.capture_graph`; eager runners, CPU
-        and `enforce_eager`, have nothing to capture), then a few dummy steps of the eager path
-        (`_warm_up_prefill`). Every rank calls this at once with the
-        same arguments: a capture runs the forward, whose collectives need every rank."""
+        graph table, of the MTP proposal after a verify and of the batched sampler for every
+        row bucket (Triton compiles each kernel variant while the graph warms it up,
+        `DecodeGraphs.capture_graph`; eager runners, CPU and `enforce_eager`, have nothing to
+        capture), then a few dummy steps of the eager path (`_warm_up_prefill`). Every rank
+        calls this at once with the same arguments: a capture runs the forward, whose
+        collectives need every rank."""
         started = time.perf_counter()
         graphs = self.runner.graphs
         propose = self.runner.proposer.graphs if self.runner.proposer is not None else None
@@ -266,6 +267,11 @@ class Worker:
                 propose._capture(*key)
             elif kind == "propose_rows" and key not in propose.row_graphs:
                 propose.capture_rows(*key)
+        sampler = self.runner.sampler_graphs  # no collectives: any order, any rank
+        sampler_keys = sampler.keys() if sampler is not None else []
+        for key in sampler_keys:
+            if key not in sampler.graphs:
+                sampler.capture(*key)
         self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
         experts = next((m for m in self.model.modules() if isinstance(m, Experts)), None)
         warm_up_eager_kernels(
@@ -278,7 +284,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.late_compiles = watch_late_compiles()
-        return WarmUp(len(keys), time.perf_counter() - started)
+        return WarmUp(len(keys) + len(sampler_keys), time.perf_counter() - started)
 
     def _warm_up_prefill(self, num_draft_tokens: int, share_topk: bool) -> None:
         """Prefill one dummy prompt of each `warm_up_prefill_lengths` length and decode one token

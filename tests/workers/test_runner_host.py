@@ -14,7 +14,7 @@ from cluster.llm import LLM
 from cluster.sampling_params import SamplingParams
 from tests.workers.arrivals import generate_staggered, record_graph_keys
 from workers.batch import SeqWork
-from workers.cuda_graph import DecodeGraphs, ProposeGraphs
+from workers.cuda_graph import DecodeGraphs, ProposeGraphs, SamplerGraphs
 from workers.step_tensors import StepLayout, pack_step
 
 BLOCK = 4
@@ -102,7 +102,7 @@ class _EagerGraph:
 
 
 def _with_cpu_graphs(
-    llm: LLM, max_batch: int, max_rows: int = 0
+    llm: LLM, max_batch: int, max_rows: int = 0, sampler_rows: int = 0
 ) -> tuple[DecodeGraphs, ProposeGraphs | None]:
     runner = llm.engine.executor.worker.runner
     graphs = DecodeGraphs(runner.model, max_batch, 64, runner.device, max_rows)
@@ -113,6 +113,9 @@ def _with_cpu_graphs(
 
     graphs.capture_graph = capture_graph
     runner.graphs = graphs
+    if sampler_rows:
+        vocab = runner.model.config.vocab_size
+        runner.sampler_graphs = SamplerGraphs(graphs, vocab, sampler_rows)
     propose = None
     if runner.proposer is not None:
         propose = runner.proposer.graphs = ProposeGraphs(runner.model, graphs)
@@ -155,6 +158,43 @@ def test_graph_path_is_the_eager_path_token_for_token(tiny_model_dir, k):
     assert {b for b, _ in replayed} >= {1, 2, 4, 8}
     if k:
         assert any(graph.replays for graph, _, _ in propose.graphs.values())
+
+
+@pytest.mark.parametrize("k", [0, 2, 3])
+def test_sampler_graphs_draw_what_the_eager_sampler_draws(tiny_model_dir, k):
+    """Seeded sampling requests (temperature alone, top-k, top-p, penalties, logprobs) drawn
+    through the sampler's graphs (rows padded to buckets of 1-16; steps with more rows sample
+    eagerly) give the tokens the eager sampler gives on the same logits: a seeded request's
+    noise comes from its own generator on both paths, and padding rows change nothing."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    settings = [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.3, top_k=5),
+        dict(temperature=0.8, top_k=20, top_p=0.8, repetition_penalty=1.3),
+        dict(temperature=0.9, logprobs=2),
+        dict(temperature=0.0),
+        dict(temperature=1.1, frequency_penalty=0.5),
+    ]
+    params = [
+        SamplingParams(max_tokens=6 + 4 * i, seed=100 + i, ignore_eos=True, **kw)
+        for i, kw in enumerate(settings)
+    ]
+
+    def generate(sampler_rows: int) -> tuple[list[list[int]], SamplerGraphs | None]:
+        llm = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=8)
+        _with_cpu_graphs(llm, max_batch=8, sampler_rows=sampler_rows)
+        runner = llm.engine.executor.worker.runner
+        return _generate(llm, prompts, params), runner.sampler_graphs
+
+    expected, _ = generate(0)
+    got, sampler = generate(16)
+    assert got == expected
+    assert [len(t) for t in got] == [p.max_tokens for p in params]
+    replayed = {size for (size, _), (graph, _) in sampler.graphs.items() if graph.replays}
+    assert len(replayed) >= 3  # several buckets, as requests finished
+    assert any(truncates for (_, truncates), (graph, _) in sampler.graphs.items() if graph.replays)
 
 
 @pytest.mark.parametrize("k", [0, 2])

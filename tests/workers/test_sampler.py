@@ -18,6 +18,7 @@ from workers.sampler import (
     NO_TOP_P,
     batched_probs,
     processed_probs,
+    sample_rows,
     token_logprobs,
     truncation,
     verify_and_sample,
@@ -206,3 +207,42 @@ def test_seeded_requests_in_a_batch_draw_from_their_own_streams():
     keep = p0 > 0
     assert first[~keep].sum() == 0
     assert chisquare(first[keep], p0[keep] * NUM_DRAWS).pvalue > ALPHA
+
+
+def _settings(rows: list[tuple[SamplingSpec, int]], vocab: int) -> torch.Tensor:
+    """`sample_rows`' settings for rows of (spec, draft verified or -1)."""
+    cols = []
+    for spec, draft in rows:
+        kth, top_p = truncation(spec, vocab) or (vocab - 1, NO_TOP_P)
+        cols.append([spec.temperature, kth, top_p, draft])
+    return torch.tensor(cols, dtype=torch.float64).T.contiguous()
+
+
+def test_sample_rows_accepts_below_the_drafts_probability_and_draws_from_the_residual():
+    """Noise chosen so that every outcome is known: a row accepts its draft exactly when
+    u = exp(-noise[:, V]) < p(draft); with E = 1 on every entry a row draws its most likely
+    token, never its draft (removed from the residual) nor a token its truncation drops, even
+    where that token's noise is 0 (0 / 0 would be a NaN, which argmax picks)."""
+    vocab = LOGITS.shape[1]
+    rows = [(SPECS[1], 0), (SPECS[1], 0), (SPECS[2], 1), (SPECS[3], -1), (SPECS[0], 0)]
+    logits = torch.stack([LOGITS[0], LOGITS[0], LOGITS[1], LOGITS[0], LOGITS[0]])
+    probs = torch.cat([processed_probs(logits[j : j + 1], s) for j, (s, _) in enumerate(rows)])
+    noise = torch.ones(len(rows), vocab + 1)
+    below, above = probs[0, 0] * 0.99, probs[1, 0] * 1.01
+    noise[:, vocab] = torch.tensor([-below.log(), -above.log(), 0.0, 0.0, float("inf")])
+    noise[:, :vocab][probs == 0] = 0.0  # dropped by top-k / top-p: still never drawn
+    draws, accepted = sample_rows(logits, _settings(rows, vocab), noise, True).tolist()
+    assert accepted == [1, 0, 0, 0, 1]  # u = 1 never accepts; u = 0 always does (p > 0)
+    for j, (_, draft) in enumerate(rows):
+        residual = probs[j].clone()
+        if draft >= 0:
+            residual[draft] = 0.0
+        assert draws[j] == int(residual.argmax())
+        assert probs[j, draws[j]] > 0
+    assert draws[3] == 0  # no draft: the most likely token itself
+    # Without truncation (no row cuts anything) the same function, no sort.
+    plain = [(SPECS[0], 1), (SPECS[0], -1)]
+    draws, accepted = sample_rows(
+        LOGITS[:2], _settings(plain, vocab), torch.ones(2, vocab + 1), False
+    ).tolist()
+    assert draws == [0, 1] and accepted == [0, 0]

@@ -1,0 +1,74 @@
+"""The batched sampler's CUDA graphs (workers.cuda_graph.SamplerGraphs) on a GPU: a replay
+computes what `sample_rows` computes eagerly on the same inputs, bit for bit, and draws through
+the graphs keep each request's distribution (MTP's rejection rule included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from workers.batch import SamplingSpec
+from workers.cuda_graph import DecodeGraphs, SamplerGraphs
+from workers.sampler import NO_TOP_P, processed_probs, sample_rows, verify_and_sample_batch
+
+pytestmark = pytest.mark.gpu
+
+ALPHA = 1e-3
+
+
+def _sampler(vocab: int, max_rows: int) -> SamplerGraphs:
+    return SamplerGraphs(DecodeGraphs(None, 1, 1, torch.device("cuda")), vocab, max_rows)
+
+
+@pytest.mark.parametrize("truncates", [False, True])
+def test_replay_is_the_eager_function(truncates):
+    """Every bucket up to 64 rows over a 1000-token vocabulary, random logits, settings and
+    noise (drafts on some rows): the replay's draws and acceptances equal `sample_rows`'."""
+    vocab = 1000
+    sampler = _sampler(vocab, 64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for size in sampler.buckets:
+        settings, noise = sampler.inputs(size)
+        logits = sampler.logits(size)
+        for _ in range(3):
+            logits.copy_(torch.randn(size, vocab, device="cuda", generator=g) * 3)
+            noise.exponential_(generator=g)
+            temperature = torch.rand(size, device="cuda", generator=g) + 0.3
+            kth = torch.randint(0, vocab, (size,), device="cuda", generator=g)
+            top_p = torch.where(
+                torch.rand(size, device="cuda", generator=g) < 0.5,
+                torch.rand(size, device="cuda", generator=g),
+                torch.full((size,), NO_TOP_P, device="cuda"),
+            )
+            draft = torch.randint(-1, vocab, (size,), device="cuda", generator=g)
+            settings.copy_(torch.stack([temperature, kth, top_p, draft]).double())
+            got = sampler.replay(size, truncates).clone()
+            want = sample_rows(logits.clone(), settings.clone(), noise.clone(), truncates)
+            assert torch.equal(got, want)
+    assert len(sampler.graphs) == len(sampler.buckets)
+
+
+def test_draws_through_the_graphs_keep_each_requests_distribution():
+    """20,000 requests of each setting verifying two drafts, in one replay of a 2**16-row
+    bucket: the first token follows the target's first row (chi-square), as on the eager
+    path (tests/workers/test_sampler.py)."""
+    logits = torch.tensor(
+        [[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 1.5, -0.5, 0.7, 0.0, 1.0], [0.0] * 6]
+    )
+    draws = 20_000
+    sampler = _sampler(6, 2**16)
+    for spec in [
+        SamplingSpec(temperature=1.0),
+        SamplingSpec(temperature=0.7, top_k=4, top_p=0.9),
+        SamplingSpec(temperature=1.3, top_p=0.6),
+    ]:
+        rows = sampler.logits(3 * draws)
+        rows.copy_(logits.cuda().repeat(draws, 1))
+        out = verify_and_sample_batch(rows, [[1, 3]] * draws, [spec] * draws, None, sampler)
+        first = torch.bincount(torch.tensor([t[0] for t, _ in out]), minlength=6).float()
+        p0 = processed_probs(logits[0:1], spec)[0]
+        keep = p0 > 0
+        assert first[~keep].sum() == 0
+        assert chisquare(first[keep], p0[keep] * draws).pvalue > ALPHA
+    assert sampler.graphs  # the draws replayed a graph
