@@ -67,7 +67,9 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.load_test import (
+    TEMPERATURE_ENV,
     _free_port,
+    bench_temperature,
     completion_body,
     make_prompts,
     model_vocab_size,
@@ -236,7 +238,7 @@ def run_offline(engine, prompts, concurrency: int, num_requests: int, max_tokens
     """`concurrency` requests in flight on an `LLMEngine`, refilled as they finish."""
     from cluster.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=bench_temperature(), ignore_eos=True)
     result = LevelResult("offline", concurrency)
     to_send = deque(range(num_requests))
     added_s: dict[str, float] = {}
@@ -608,6 +610,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--concurrency", default="1,8,32,128", help="comma-separated levels")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature, offline and over HTTP (0: greedy; texts are then "
+        "not compared)",
+    )
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
     ap.add_argument("--min-requests", type=int, default=8)
@@ -670,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", default=None, help="write the rows and the run's facts here")
     args = ap.parse_args(argv)
+    os.environ[TEMPERATURE_ENV] = str(args.temperature)  # read by the clients, spawned or not
 
     from workers.default_model import default_model_path, tiny_model_path
 
@@ -690,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"bench_serve: model={model} tp={args.tp} k={args.num_draft_tokens} "
         f"device={args.device} levels={levels} max_tokens={args.max_tokens} "
+        f"temperature={args.temperature} "
         f"prompt_len={args.prompt_len}",
         flush=True,
     )
@@ -979,6 +990,8 @@ def _served_model(url: str) -> str:
 
 def _text_agreement(rows: list[LevelResult]) -> str:
     """Greedy text per prompt must be one text across paths, levels and repeats."""
+    if bench_temperature() > 0:
+        return "texts: not compared (sampled requests)"
     texts: dict[int, set[str]] = {}
     for r in rows:
         for index, text in r.texts.items():

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import socket
 import statistics
@@ -76,14 +77,23 @@ def make_prompts(vocab_size: int, num_prompts: int, prompt_len: int, seed: int =
 # --- HTTP ------------------------------------------------------------------------------------
 
 
+# The temperature of every benchmark request (0: greedy). An environment variable, so that
+# client processes started by spawn see what the benchmark's command line said.
+TEMPERATURE_ENV = "MTPSERVE_BENCH_TEMPERATURE"
+
+
+def bench_temperature() -> float:
+    return float(os.environ.get(TEMPERATURE_ENV, "0"))
+
+
 def completion_body(model: str, prompt: list[int], max_tokens: int, stream: bool) -> dict:
-    """A greedy /v1/completions body of exactly `max_tokens` tokens (EOS ignored), streamed
-    with its usage last, or not."""
+    """A /v1/completions body of exactly `max_tokens` tokens (EOS ignored), greedy unless
+    `bench_temperature()` says otherwise, streamed with its usage last, or not."""
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": bench_temperature(),
         "ignore_eos": True,
     }
     if stream:
