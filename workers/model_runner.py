@@ -259,21 +259,21 @@ class ModelRunner:
         for i, state, first, drafts in work:
             s, end = batch.seqs[i], first + len(drafts) + 1
             spec = s.sampling
-            if spec.greedy and not spec.has_logits_processors:  # the argmax is all it needs
-                tokens, accepted = verify_and_sample(None, drafts, spec, None, argmax[first:end])
-            else:
-                sample_logits, seq_argmax = logits[first:end], argmax[first:end]
-                if spec.has_logits_processors:
-                    sample_logits = self._process(state, spec, sample_logits, drafts)
-                    seq_argmax = None
-                if not spec.greedy:
-                    processed = sample_logits if spec.has_logits_processors else None
-                    together.append((i, first, processed, drafts))
+            if not spec.has_logits_processors:
+                if spec.greedy:  # the argmax is all it needs
+                    targets = argmax[first:end]
+                    tokens, accepted = verify_and_sample(None, drafts, spec, None, targets)
+                    results[i] = SeqResult(s.request_id, tokens, accepted)
+                else:  # its rows are gathered with the others' (no slice of its own)
+                    together.append((i, first, None, drafts))
                     generators.append(state.generator)
-                    continue
-                tokens, accepted = verify_and_sample(
-                    sample_logits, drafts, spec, state.generator, seq_argmax
-                )
+                continue
+            processed = self._process(state, spec, logits[first:end], drafts)
+            if not spec.greedy:
+                together.append((i, first, processed, drafts))
+                generators.append(state.generator)
+                continue
+            tokens, accepted = verify_and_sample(processed, drafts, spec, state.generator, None)
             results[i] = SeqResult(s.request_id, tokens, accepted)
         if together:
             num_rows = sum(len(drafts) + 1 for _, _, _, drafts in together)

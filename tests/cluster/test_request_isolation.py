@@ -51,10 +51,10 @@ def test_failing_request_fails_alone_and_others_are_unchanged(
     real = workers.model_runner.verify_and_sample_batch
     calls = {"bad": 0}
 
-    def faulty(logits, drafts, specs, generators=None):
+    def faulty(logits, drafts, specs, *more):
         # The seeded requests drawn with the bad one take their draws first: a step that
         # failed after them would change their streams unless the worker put them back.
-        drawn = real(logits, drafts, specs, generators)
+        drawn = real(logits, drafts, specs, *more)
         if any(spec.seed == BAD_SEED for spec in specs):
             calls["bad"] += 1
             if calls["bad"] > fail_after_calls:

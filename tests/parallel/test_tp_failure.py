@@ -107,10 +107,10 @@ def _fail_seed(actor, seed: int) -> None:
 
     real = runner_module.verify_and_sample_batch
 
-    def faulty(logits, drafts, specs, generators=None):
+    def faulty(logits, drafts, specs, *more):
         if any(spec.seed == seed for spec in specs):
             raise RuntimeError("injected failure")
-        return real(logits, drafts, specs, generators)
+        return real(logits, drafts, specs, *more)
 
     runner_module.verify_and_sample_batch = faulty
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 def _sabotage_sampler(actor) -> None:
     import workers.model_runner as runner_module
 
-    def disagree(logits, drafts, specs, generators=None):
+    def disagree(logits, drafts, specs, *more):
         return [([7], 0)] * len(specs)
 
     runner_module.verify_and_sample_batch = disagree
