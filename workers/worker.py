@@ -14,7 +14,7 @@ import torch
 
 from kernels.ops import warm_up_eager_kernels
 from kernels.platform import ensure_triton_cache_dir, watch_late_compiles
-from workers.batch import SeqWork, StepInput, StepOutput
+from workers.batch import SamplingSpec, SeqWork, StepInput, StepOutput
 from workers.kv_cache import CacheFormat, cache_bytes_per_block, max_blocks_per_seq
 from workers.model import Experts
 from workers.model_runner import ModelRunner
@@ -81,6 +81,10 @@ def warm_up_prefill_lengths(
 
 
 WARM_UP_REQUEST_ID = "__warm_up__"
+# The warm-up's decode steps sample (seeded, with top-p): the batched sampler's path and what
+# it launches outside any graph (its noise, a request's own generator) then load before the
+# first sampling request, as the greedy path does in the prefill before them.
+WARM_UP_SAMPLING = SamplingSpec(temperature=1.0, top_p=0.9, seed=0)
 
 
 @dataclass(frozen=True)
@@ -287,10 +291,10 @@ class Worker:
         return WarmUp(len(keys) + len(sampler_keys), time.perf_counter() - started)
 
     def _warm_up_prefill(self, num_draft_tokens: int, share_topk: bool) -> None:
-        """Prefill one dummy prompt of each `warm_up_prefill_lengths` length and decode one token
-        after it (with MTP: a verify step, and a proposal after each), so that the first request
-        does not compile or load the eager path's kernels (GPU) or build the matmul primitives of
-        its shapes (CPU). Its KV goes to blocks after the null block that no request holds yet;
+        """Prefill one dummy prompt of each `warm_up_prefill_lengths` length (greedy) and decode
+        one token after it (sampled; with MTP: a verify step, and a proposal after each), so
+        that the first request does not compile or load the eager path's kernels (GPU) or
+        build the matmul primitives of its shapes (CPU). Its KV goes to blocks after the null block that no request holds yet;
         the runner then forgets the dummy request. The prefills run eagerly even where a
         prefill step could replay the decode graph (`ModelRunner.prefill_in_graphs`): a chunk
         past the graphs' largest bucket still runs the eager path."""
@@ -319,6 +323,7 @@ class Worker:
                     block_ids,
                     len(drafts),
                     samples=True,
+                    sampling=WARM_UP_SAMPLING,
                 )
                 self.runner.execute(StepInput([decode], num_draft_tokens, share_topk))
                 self.runner.execute(StepInput([], finished_request_ids=[WARM_UP_REQUEST_ID]))

@@ -138,7 +138,8 @@ def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path, scales):
 def test_gpu_nothing_compiles_after_warm_up(tiny_model_dir, k):
     """Warm before ready: prompts from 1 token to past two of the select's chunks of keys (so
     block tables 1, 2, 16 and more blocks wide, prefills above every tile threshold), 1 to 64 at
-    once, in one engine after its warm-up: no Triton kernel compiles (or loads) in a step."""
+    once, greedy and sampled, in one engine after its warm-up: no Triton kernel compiles (or
+    loads) in a step, and the sampler's graphs were all captured before."""
     g = torch.Generator().manual_seed(1)
     lengths = [1, 2, 15, 16, 17, 63, 64, 65, 100, 129, 700, 1023, 1024, 1500, 2100, 3900]
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
@@ -148,6 +149,12 @@ def test_gpu_nothing_compiles_after_warm_up(tiny_model_dir, k):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for batch in (prompts[:1], prompts, prompts * 4):
         llm.generate(batch, params)
+    sampler = llm.engine.executor.worker.runner.sampler_graphs
+    captured = set(sampler.graphs)
+    assert captured == set(sampler.keys())  # every sampler graph before ready
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, ignore_eos=True)
+    llm.generate(prompts, sampled)
+    assert set(sampler.graphs) == captured
     assert late.count == 0, f"{late.count} kernel variants compiled after warm-up (see the log)"
 
 
