@@ -188,8 +188,10 @@ def test_replica_that_does_not_fit_adds_a_gpu_node_and_idle_node_goes(
         assert response.json()["choices"][0]["text"] == reference.text
 
         # Serve gone: the worker node idles, and after idle_timeout_minutes it is terminated.
-        _serve(head, "shutdown", "-y")
+        # Timed from before the shutdown: the node can go idle before the command returns (on
+        # a loaded box that return took over a second), never before it starts.
         started = time.monotonic()
+        _serve(head, "shutdown", "-y")
         while _alive_workers(head.dashboard_url):
             assert time.monotonic() - started < 90, _nodes(head.dashboard_url)
             time.sleep(1)
