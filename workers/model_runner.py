@@ -236,8 +236,10 @@ class ModelRunner:
         distribution and MTP stays exact).
 
         The host work that needs no sampled token is done first, while the device still runs
-        the forward; then the argmax of every row arrives in the one device-to-host copy
-        `_forward` started, and greedy requests need nothing else."""
+        the forward: the sampling requests' draw is queued behind it (its settings, noise and
+        launches prepared meanwhile) before the host waits for anything; then the argmax of
+        every row, which arrived in the one device-to-host copy `_forward` started, is all
+        greedy requests need."""
         work = []  # per sampling request: (index in the step, state, first logit row, drafts)
         cursor = 0
         for i, s in enumerate(batch.seqs):
@@ -247,34 +249,24 @@ class ModelRunner:
                 drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens :]
                 work.append((i, self._state(s), cursor, drafts))
                 cursor += s.num_draft_tokens + 1
-        if argmax is not None:
-            if self.device.type == "cuda":
-                self._argmax_copied.synchronize()
-            argmax = argmax.tolist()
         results = [None] * len(batch.seqs)
         # Sampling requests draw together (one batched sampler, one copy to the host); a
         # seeded one takes its random numbers from its own generator there.
-        together = []  # (index in the step, first logit row, its processed rows, drafts)
+        together = []  # (index in the step, first logit row, its processed rows or None, drafts)
         generators = []  # each of together's own random stream (None: no seed)
+        greedy = []
         for i, state, first, drafts in work:
-            s, end = batch.seqs[i], first + len(drafts) + 1
-            spec = s.sampling
-            if not spec.has_logits_processors:
-                if spec.greedy:  # the argmax is all it needs
-                    targets = argmax[first:end]
-                    tokens, accepted = verify_and_sample(None, drafts, spec, None, targets)
-                    results[i] = SeqResult(s.request_id, tokens, accepted)
-                else:  # its rows are gathered with the others' (no slice of its own)
-                    together.append((i, first, None, drafts))
-                    generators.append(state.generator)
+            spec = batch.seqs[i].sampling
+            if spec.greedy:
+                greedy.append((i, state, first, drafts))
                 continue
-            processed = self._process(state, spec, logits[first:end], drafts)
-            if not spec.greedy:
-                together.append((i, first, processed, drafts))
-                generators.append(state.generator)
-                continue
-            tokens, accepted = verify_and_sample(processed, drafts, spec, state.generator, None)
-            results[i] = SeqResult(s.request_id, tokens, accepted)
+            processed = None
+            if spec.has_logits_processors:
+                processed = self._process(
+                    state, spec, logits[first : first + len(drafts) + 1], drafts
+                )
+            together.append((i, first, processed, drafts))
+            generators.append(state.generator)
         if together:
             num_rows = sum(len(drafts) + 1 for _, _, _, drafts in together)
             graphs = self.sampler_graphs
@@ -289,6 +281,20 @@ class ModelRunner:
             )
             for (i, _, _, _), (tokens, accepted) in zip(together, drawn):
                 results[i] = SeqResult(batch.seqs[i].request_id, tokens, accepted)
+        if greedy:
+            if self.device.type == "cuda":
+                self._argmax_copied.synchronize()
+            argmax = argmax.tolist()
+        for i, state, first, drafts in greedy:
+            s, end = batch.seqs[i], first + len(drafts) + 1
+            if s.sampling.has_logits_processors:
+                processed = self._process(state, s.sampling, logits[first:end], drafts)
+                tokens, accepted = verify_and_sample(processed, drafts, s.sampling, None, None)
+            else:  # the argmax is all it needs
+                tokens, accepted = verify_and_sample(
+                    None, drafts, s.sampling, None, argmax[first:end]
+                )
+            results[i] = SeqResult(s.request_id, tokens, accepted)
         self._add_logprobs(batch.seqs, results, work, logits)
         return [r or SeqResult(s.request_id, []) for r, s in zip(results, batch.seqs)]
 

@@ -294,10 +294,11 @@ class Worker:
         """Prefill one dummy prompt of each `warm_up_prefill_lengths` length (greedy) and decode
         one token after it (sampled; with MTP: a verify step, and a proposal after each), so
         that the first request does not compile or load the eager path's kernels (GPU) or
-        build the matmul primitives of its shapes (CPU). Its KV goes to blocks after the null block that no request holds yet;
-        the runner then forgets the dummy request. The prefills run eagerly even where a
-        prefill step could replay the decode graph (`ModelRunner.prefill_in_graphs`): a chunk
-        past the graphs' largest bucket still runs the eager path."""
+        build the matmul primitives of its shapes (CPU). Its KV goes to blocks after the null
+        block that no request holds yet; the runner then forgets the dummy request. The
+        prefills run eagerly even where a prefill step could replay the decode graph
+        (`ModelRunner.prefill_in_graphs`): a chunk past the graphs' largest bucket still runs
+        the eager path."""
         block_size = self.runner.block_size
         table_slots = max_blocks_per_seq(self.max_seq_slots, block_size) * block_size
         max_prompt = table_slots - 1 - num_draft_tokens
