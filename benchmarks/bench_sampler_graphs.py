@@ -2,6 +2,11 @@
 
     python benchmarks/bench_sampler_graphs.py [--model DIR] [--concurrency 1,8,32,128]
         [--temperature 1.0] [--top-p 1.0] [--num-draft-tokens K] [--passes 3]
+    python benchmarks/bench_sampler_graphs.py --device-time [--vocab 129280]
+
+`--device-time`: no engine; the device time of one sampler graph replay per row bucket, without
+and with truncation (the sort), at a vocabulary's width (DeepSeek-V3.2's by default), against
+the time to read the rows' logits and noise once from HBM.
 
 One engine, warmed once; at each concurrency c, c requests of `--max-tokens` tokens (EOS ignored)
 decode together, with the runner's `sampler_graphs` on and off alternated `--passes` times, so
@@ -22,8 +27,41 @@ from cluster.sampling_params import SamplingParams
 from workers.default_model import tiny_model_path
 
 
+def device_time(vocab: int) -> None:
+    from workers.cuda_graph import DecodeGraphs, SamplerGraphs
+    from workers.model_runner import SAMPLER_GRAPH_MAX_ROWS
+
+    device = torch.device("cuda")
+    sampler = SamplerGraphs(DecodeGraphs(None, 1, 1, device), vocab, SAMPLER_GRAPH_MAX_ROWS)
+    bandwidth = 4.27e12  # H200 HBM3e, bytes/s
+    print(f"vocabulary {vocab}: one replay, us (median of 20); read = logits + noise at HBM speed")
+    print("| rows | temperature only | top-k / top-p (sort) | read |")
+    print("|---|---|---|---|")
+    for size in sampler.buckets:
+        settings, noise = sampler.inputs(size)
+        sampler.logits(size).normal_()
+        noise.exponential_()
+        settings[2].fill_(0.9)  # top-p on every row
+        cells = []
+        for truncates in (False, True):
+            sampler.replay(size, truncates)
+            times = []
+            for _ in range(20):
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                start.record()
+                sampler.replay(size, truncates)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            cells.append(f"{statistics.median(times):.1f}")
+        read = size * (2 * vocab + 1) * 4 / bandwidth * 1e6
+        print(f"| {size} | " + " | ".join(cells) + f" | {read:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--device-time", action="store_true", help="sampler replays alone")
+    ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the tiny checkpoint)")
     ap.add_argument("--concurrency", default="1,8,32,128")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -33,6 +71,9 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=0)
     ap.add_argument("--passes", type=int, default=3)
     args = ap.parse_args()
+    if args.device_time:
+        device_time(args.vocab)
+        return
     levels = [int(c) for c in args.concurrency.split(",")]
     llm = LLM(
         args.model or tiny_model_path(),
