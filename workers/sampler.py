@@ -147,11 +147,13 @@ def sample_rows(
     `workers.cuda_graph.SamplerGraphs` captures, and what runs eagerly where there is no graph.
     -> [2, R] long: each row's draw, and whether the draft the row verifies is accepted.
 
-    Row j verifying draft d accepts it when u < p_j(d), u = exp(-noise[j, V]) (uniform when
-    the noise is Exp(1)); the row's draw is from its residual (p_j without d; a row with no
-    draft draws from p_j): the argmax of p / E over its noise E, `multinomial`'s own method,
-    which picks entry i with probability p_i / sum(p). A residual with no mass left (p
-    one-hot at its draft, which is then always accepted) draws an entry that is never used."""
+    Row j verifying draft d accepts it when u < p_j(d), u = 1 - exp(-noise[j, V]) (uniform on
+    [0, 1) when the noise is Exp(1), as `uniform_` is: a draft of probability 1 is always
+    accepted, even at a noise of exactly 0). The row's draw is from its residual (p_j without
+    d; a row with no draft draws from p_j): the argmax of p / E over its noise E,
+    `multinomial`'s own method, which picks entry i with probability p_i / sum(p). A residual
+    with no mass left (p one-hot at its draft, which is then always accepted) draws an entry
+    that is never used."""
     temperature = settings[0].float()
     truncation_args = (settings[1].long(), settings[2].float()) if truncates else ()
     probs = batched_probs(logits, temperature, *truncation_args)
@@ -159,7 +161,7 @@ def sample_rows(
     verifies = draft >= 0
     at = draft.clamp(min=0)
     p_draft = probs.gather(1, at)
-    accept = verifies & (torch.exp(-noise[:, -1:]) < p_draft)
+    accept = verifies & (-torch.expm1(-noise[:, -1:]) < p_draft)
     # probs is this call's own tensor and `accept` has read it: the draft cleared in place.
     residual = probs.scatter_(1, at, torch.where(verifies, 0.0, p_draft))
     # An Exp(1) draw of exactly 0 would make 0 / 0 a NaN, which argmax would pick.

@@ -220,7 +220,7 @@ def _settings(rows: list[tuple[SamplingSpec, int]], vocab: int) -> torch.Tensor:
 
 def test_sample_rows_accepts_below_the_drafts_probability_and_draws_from_the_residual():
     """Noise chosen so that every outcome is known: a row accepts its draft exactly when
-    u = exp(-noise[:, V]) < p(draft); with E = 1 on every entry a row draws its most likely
+    u = 1 - exp(-noise[:, V]) < p(draft); with E = 1 on every entry a row draws its most likely
     token, never its draft (removed from the residual) nor a token its truncation drops, even
     where that token's noise is 0 (0 / 0 would be a NaN, which argmax picks)."""
     vocab = LOGITS.shape[1]
@@ -229,10 +229,16 @@ def test_sample_rows_accepts_below_the_drafts_probability_and_draws_from_the_res
     probs = torch.cat([processed_probs(logits[j : j + 1], s) for j, (s, _) in enumerate(rows)])
     noise = torch.ones(len(rows), vocab + 1)
     below, above = probs[0, 0] * 0.99, probs[1, 0] * 1.01
-    noise[:, vocab] = torch.tensor([-below.log(), -above.log(), 0.0, 0.0, float("inf")])
+    u = torch.tensor([below, above, 0.0, 0.0, 1.0])
+    noise[:, vocab] = -torch.log1p(-u)  # E = inf at u = 1
     noise[:, :vocab][probs == 0] = 0.0  # dropped by top-k / top-p: still never drawn
     draws, accepted = sample_rows(logits, _settings(rows, vocab), noise, True).tolist()
-    assert accepted == [1, 0, 0, 0, 1]  # u = 1 never accepts; u = 0 always does (p > 0)
+    assert accepted == [1, 0, 1, 0, 0]  # u = 0 always accepts (p > 0); u = 1 never does
+    # A draft of probability 1 is accepted even at a noise of exactly 0 (u = 0).
+    sure = torch.full((1, vocab), -1e9)
+    sure[0, 2] = 0.0
+    out = sample_rows(sure, _settings([(SPECS[0], 2)], vocab), torch.zeros(1, vocab + 1), False)
+    assert out[1].tolist() == [1]
     for j, (_, draft) in enumerate(rows):
         residual = probs[j].clone()
         if draft >= 0:
