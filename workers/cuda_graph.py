@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from workers.attention_metadata import AttentionMetadata
+from workers.sampler import NO_TOP_P, sample_rows
 from workers.step_tensors import StepLayout, pack_step
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -159,7 +160,7 @@ class SamplerGraphs:
         self._logits = torch.zeros(max_rows, vocab, device=device)
         self._noise = torch.ones(max_rows, vocab + 1, device=device)
         self._settings = {
-            b: torch.tensor([[1.0], [vocab - 1], [2.0], [-1]], dtype=torch.float64)
+            b: torch.tensor([[1.0], [vocab - 1], [NO_TOP_P], [-1]], dtype=torch.float64)
             .expand(4, b)
             .contiguous()
             .to(device)
@@ -183,8 +184,6 @@ class SamplerGraphs:
         return [(b, truncates) for b in self.buckets for truncates in (False, True)]
 
     def capture(self, size: int, truncates: bool) -> None:
-        from workers.sampler import sample_rows
-
         settings, noise = self.inputs(size)
         logits = self._logits[:size]
         graph, out = self.decode.capture_graph(

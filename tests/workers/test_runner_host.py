@@ -15,6 +15,7 @@ from cluster.sampling_params import SamplingParams
 from tests.workers.arrivals import generate_staggered, record_graph_keys
 from workers.batch import SeqWork
 from workers.cuda_graph import DecodeGraphs, ProposeGraphs, SamplerGraphs
+from workers.sampler import NO_TOP_P
 from workers.step_tensors import StepLayout, pack_step
 
 BLOCK = 4
@@ -195,6 +196,23 @@ def test_sampler_graphs_draw_what_the_eager_sampler_draws(tiny_model_dir, k):
     replayed = {size for (size, _), (graph, _) in sampler.graphs.items() if graph.replays}
     assert len(replayed) >= 3  # several buckets, as requests finished
     assert any(truncates for (_, truncates), (graph, _) in sampler.graphs.items() if graph.replays)
+
+
+def test_sampler_graph_buckets_share_one_buffer_of_logits_and_noise():
+    """Powers of two up to max_rows (which need not be one); past it, no bucket (eager). A
+    bucket's logits, noise and the gather target are prefixes of the same two buffers, and a
+    bucket's padding settings are rows that verify no draft and truncate nothing."""
+    decode = DecodeGraphs(None, 1, 1, torch.device("cpu"))
+    sampler = SamplerGraphs(decode, 10, 48)
+    assert sampler.buckets == [1, 2, 4, 8, 16, 32, 48]
+    assert [sampler.bucket(n) for n in (1, 3, 17, 33, 48, 49)] == [1, 4, 32, 48, 48, None]
+    assert sampler.keys() == [(b, t) for b in sampler.buckets for t in (False, True)]
+    settings, noise = sampler.inputs(8)
+    assert noise.shape == (8, 11) and settings.shape == (4, 8)
+    assert noise.data_ptr() == sampler.inputs(48)[1].data_ptr()
+    assert sampler.logits(5).data_ptr() == sampler.logits(48).data_ptr()
+    assert sampler.logits(5).shape == (5, 10)
+    assert settings.tolist() == [[1.0] * 8, [9.0] * 8, [NO_TOP_P] * 8, [-1.0] * 8]
 
 
 @pytest.mark.parametrize("k", [0, 2])
