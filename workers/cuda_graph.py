@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from workers.attention_metadata import AttentionMetadata
-from workers.sampler import NO_TOP_P, sample_rows
+from workers.sampler import padding_settings, sample_rows
 from workers.step_tensors import StepLayout, pack_step
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -152,20 +152,14 @@ class SamplerGraphs:
 
     def __init__(self, decode: DecodeGraphs, vocab: int, max_rows: int):
         self.decode = decode
-        self.vocab = vocab
         self.buckets = [b for b in (1 << i for i in range(16)) if b < max_rows] + [max_rows]
         device = decode.device
         # The buckets share one buffer of logits and one of noise (a bucket's rows are a
         # prefix of them): [max_rows, V] and [max_rows, V + 1] fp32.
         self._logits = torch.zeros(max_rows, vocab, device=device)
         self._noise = torch.ones(max_rows, vocab + 1, device=device)
-        self._settings = {
-            b: torch.tensor([[1.0], [vocab - 1], [NO_TOP_P], [-1]], dtype=torch.float64)
-            .expand(4, b)
-            .contiguous()
-            .to(device)
-            for b in self.buckets
-        }
+        padding = torch.tensor(padding_settings(vocab), dtype=torch.float64, device=device)
+        self._settings = {b: padding[:, None].repeat(1, b) for b in self.buckets}
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def bucket(self, num_rows: int) -> int | None:

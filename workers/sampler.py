@@ -137,6 +137,12 @@ def batched_probs(
     return torch.empty_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
+def padding_settings(vocab: int) -> list[float]:
+    """`sample_rows`' settings of a row that only pads a graph's bucket: temperature 1, no
+    truncation, no draft (its draw is never read)."""
+    return [1.0, vocab - 1, NO_TOP_P, -1]
+
+
 def sample_rows(
     logits: torch.Tensor,  # [R, V] fp32
     settings: torch.Tensor,  # [4, R] float64: temperature, kth index, top-p, draft (-1: none)
@@ -207,7 +213,7 @@ def verify_and_sample_batch(
     host = torch.empty(4, size, dtype=torch.float64, pin_memory=device.type == "cuda")
     packed = host.numpy()
     packed[:, :num_rows] = temperature, kth, top_p, draft
-    packed[:, num_rows:] = [[1.0], [vocab - 1], [NO_TOP_P], [-1]]
+    packed[:, num_rows:] = [[value] for value in padding_settings(vocab)]
     if graphs is not None:
         settings, noise = graphs.inputs(size)
         settings.copy_(host, non_blocking=True)
