@@ -97,8 +97,10 @@ def test_a_refusal_crosses_with_its_param(process_engine):
     with pytest.raises(InvalidRequestError) as err:
         asyncio.run(_run(process_engine, PROMPTS[0], SamplingParams(max_tokens=-1), True))
     assert err.value.param == "max_tokens"
-    # The engine goes on serving.
-    outs = asyncio.run(_run(process_engine, PROMPTS[0], SamplingParams(max_tokens=3), False))
+    # The engine goes on serving. (Sampled at the default temperature 1.0: without ignore_eos
+    # the end-of-sequence token is drawn now and then and the length would vary.)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    outs = asyncio.run(_run(process_engine, PROMPTS[0], params, False))
     assert outs[-1].finished and len(outs[-1].token_ids) == 3
 
 
@@ -122,7 +124,8 @@ def test_a_killed_engine_process_fails_its_requests_and_restart_serves(process_e
     old_pid = process_engine.pid
     process_engine.restart()
     assert process_engine.pid != old_pid and not process_engine.is_dead
-    outs = asyncio.run(_run(process_engine, PROMPTS[1], SamplingParams(max_tokens=4), True))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = asyncio.run(_run(process_engine, PROMPTS[1], params, True))
     assert outs[-1].finished and len(outs[-1].token_ids) == 4
     asyncio.run(process_engine.check_health())
 
