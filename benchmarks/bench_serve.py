@@ -57,6 +57,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -468,6 +469,38 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def passes_table(rows: list[dict]) -> str:
+    """Over the passes of a `--repeat` run: per path and level, the median of each pass's ratio
+    to the offline engine measured next to it (interleaved, the same minute), and of the TTFT
+    p50 over the offline engine's in that pass. One pass on a noisy host cannot rank a path
+    against the engine; the median of passes measured back to back can."""
+    offline = {(r["concurrency"], r["repeat"]): r for r in rows if r["path"] == "offline"}
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        if r["path"] != "offline" and (r["concurrency"], r["repeat"]) in offline:
+            groups.setdefault((r["path"], r["concurrency"]), []).append(r)
+    if not groups or max(len(g) for g in groups.values()) < 2:
+        return ""
+    lines = [
+        "| path | concurrency | passes | x offline: median (min-max) "
+        "| TTFT p50 over offline's: median (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for (path, c), group in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        ratios, gaps = [], []
+        for r in group:
+            base = offline[(c, r["repeat"])]
+            ratios.append(r["tokens_per_s"] / base["tokens_per_s"])
+            if r["ttft_p50_s"] is not None and base["ttft_p50_s"] is not None:
+                gaps.append(r["ttft_p50_s"] - base["ttft_p50_s"])
+        gap = _ms(statistics.median(gaps)) if gaps else "-"
+        lines.append(
+            f"| {path} | {c} | {len(group)} | {statistics.median(ratios):.2f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) | {gap} |"
+        )
+    return "\n".join(lines)
+
+
 def where_time_goes_table(rows: list[dict]) -> str:
     """Means per request: what the clients measured against what the replica saw from its call
     into the engine (the difference is HTTP, Serve and the handler before the call, and the
@@ -755,6 +788,9 @@ def main(argv: list[str] | None = None) -> int:
 
     summaries = [r.summary() for r in rows]
     print(table(summaries))
+    medians = passes_table(summaries)
+    if medians:
+        print(medians)
     print(cpu_table(summaries))
     print(where_time_goes_table(summaries))
     print(steps_table(summaries))
