@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from workers.attention_metadata import AttentionMetadata
-from workers.sampler import padding_settings, sample_rows
+from workers.sampler import num_candidates, padding_settings, sample_rows
 from workers.step_tensors import StepLayout, pack_step
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -143,17 +143,22 @@ class DecodeGraphs:
 class SamplerGraphs:
     """CUDA graphs of the batched sampler's device work (`workers.sampler.sample_rows`), keyed by
     (row bucket, whether any row truncates): eagerly it is ~25 small launches a sampled step
-    (temperature, the sort for top-k / top-p, softmax, cumulative sums, the draft's
-    acceptance, the draw), each host time on a busy node; replayed it is one. The static
+    (temperature, top-k / top-p by a sort or among candidates, softmax, cumulative sums, the
+    draft's acceptance, the draw), each host time on a busy node; replayed it is one. The static
     inputs are the rows' logits, their settings and the step's noise (filled before the
     replay, so that a seeded request's noise still comes from its own generator); rows past
     a step's are padding, finite logits with no draft, whose draws are never read. Buckets are
     powers of two up to `max_rows`; a step with more rows samples eagerly."""
 
-    def __init__(self, decode: DecodeGraphs, vocab: int, max_rows: int):
+    def __init__(
+        self, decode: DecodeGraphs, vocab: int, max_rows: int, candidates: int | None = None
+    ):
         self.decode = decode
         self.buckets = [b for b in (1 << i for i in range(16)) if b < max_rows] + [max_rows]
         device = decode.device
+        # Top-k / top-p among this many candidates (`workers.sampler.candidate_probs`; 0: the
+        # sort). Default: the device's `num_candidates`, as the eager sampler takes it.
+        self.candidates = num_candidates(vocab, device) if candidates is None else candidates
         # The buckets share one buffer of logits and one of noise (a bucket's rows are a
         # prefix of them): [max_rows, V] and [max_rows, V + 1] fp32.
         self._logits = torch.zeros(max_rows, vocab, device=device)
@@ -181,12 +186,12 @@ class SamplerGraphs:
         settings, noise = self.inputs(size)
         logits = self._logits[:size]
         graph, out = self.decode.capture_graph(
-            lambda: sample_rows(logits, settings, noise, truncates)
+            lambda: sample_rows(logits, settings, noise, truncates, self.candidates or None)
         )
         self.graphs[(size, truncates)] = (graph, out)
 
     def replay(self, size: int, truncates: bool) -> torch.Tensor:
-        """-> [2, size] long (`sample_rows`) for the inputs last loaded into the bucket."""
+        """-> [3, size] long (`sample_rows`) for the inputs last loaded into the bucket."""
         if (size, truncates) not in self.graphs:
             self.capture(size, truncates)
         graph, out = self.graphs[(size, truncates)]

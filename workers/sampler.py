@@ -137,6 +137,66 @@ def batched_probs(
     return torch.empty_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
+# Top-k / top-p among each row's CANDIDATES most likely tokens (`candidate_probs`) instead of a
+# sort of the whole vocabulary, at vocabularies of at least CANDIDATES_MIN_VOCAB: DeepSeek-V3.2's
+# 129,280 entries sorted for every sampled row was most of a sampled step's device time (4.4 ms
+# at 256 rows on the H200; on CPU a sort of [16, 129280] is ~15x a top-1024 of it). Below it
+# the sort is cheap and stays. On the devices of CANDIDATE_DEVICES only: on CUDA the top-k's
+# capture in the sampler's graphs and its device time against the sort are not measured yet
+# (`benchmarks/bench_sampler_graphs.py --device-time` measures both).
+CANDIDATES = 1024
+CANDIDATES_MIN_VOCAB = 16384
+CANDIDATE_DEVICES = ("cpu",)
+
+
+def num_candidates(vocab: int, device: torch.device) -> int | None:
+    """How many candidates `sample_rows` truncates among at this vocabulary on this device
+    (None: it sorts the whole row)."""
+    if device.type not in CANDIDATE_DEVICES:
+        return None
+    return CANDIDATES if vocab >= CANDIDATES_MIN_VOCAB and CANDIDATES < vocab else None
+
+
+def candidate_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    kth_index: torch.Tensor,
+    top_p: torch.Tensor,
+    candidates: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batched_probs` among each row's `candidates` largest logits: a top-k of the row
+    (partial selection) in place of its sort. -> ([R, V] probabilities, [R] exact).
+
+    A row's result is `batched_probs`' (to fp32 rounding) wherever what it keeps lies among its
+    candidates, which `exact` says per row: with a top-k, when the last candidate is below its
+    k-th largest logit (k < `candidates`, and no tie with it outside); with a top-p only,
+    when the candidates' mass (under the whole row's softmax) reaches top-p, so the first token
+    past them is dropped. A row that truncates nothing takes the whole row's softmax and is
+    exact. The caller redoes the rows that are not with `batched_probs` (a flat distribution
+    under a top-p near 1: rare for a trained model's next token)."""
+    vocab = logits.shape[-1]
+    scaled = logits / temperature[:, None]
+    whole = scaled.softmax(-1)  # the rows that truncate nothing; a top-p-only row's mass
+    values, ids = scaled.topk(candidates, dim=-1)  # sorted, descending
+    has_k = kth_index < vocab - 1
+    kth = values.gather(1, kth_index.clamp(max=candidates - 1)[:, None])
+    kth = torch.where(has_k[:, None], kth, float("-inf"))
+    # With a top-k the row's softmax is over what it keeps (all candidates when exact); with
+    # none, over the whole row.
+    kept_logits = values.masked_fill(values < kth, float("-inf"))
+    cand = torch.where(has_k[:, None], kept_logits.softmax(-1), whole.gather(1, ids))
+    mass = cand.cumsum(-1)
+    # Top-p: the smallest prefix whose mass reaches top_p (the first token always stays).
+    kept = cand.masked_fill(mass - cand >= top_p[:, None], 0.0)
+    kept = kept / kept.sum(-1, keepdim=True)
+    truncating = has_k | (top_p < 1.0)
+    within_k = has_k & (kth_index < candidates) & (values[:, -1] < kth[:, 0])
+    within_p = ~has_k & (mass[:, -1] >= top_p)
+    exact = ~truncating | within_k | within_p
+    probs = torch.where(truncating[:, None], torch.zeros_like(whole).scatter_(1, ids, kept), whole)
+    return probs, exact
+
+
 def padding_settings(vocab: int) -> list[float]:
     """`sample_rows`' settings of a row that only pads a graph's bucket: temperature 1, no
     truncation, no draft (its draw is never read)."""
@@ -147,11 +207,14 @@ def sample_rows(
     logits: torch.Tensor,  # [R, V] fp32
     settings: torch.Tensor,  # [4, R] float64: temperature, kth index, top-p, draft (-1: none)
     noise: torch.Tensor,  # [R, V + 1] fp32, Exp(1) entries
-    truncates: bool,  # any row with top-k or top-p (else no sort)
+    truncates: bool,  # any row with top-k or top-p (else no sort and no candidates)
+    candidates: int | None = None,  # truncate among this many (`candidate_probs`), or sort
 ) -> torch.Tensor:
     """The batched sampler's device work, with no host work and no synchronization: what
     `workers.cuda_graph.SamplerGraphs` captures, and what runs eagerly where there is no graph.
-    -> [2, R] long: each row's draw, and whether the draft the row verifies is accepted.
+    -> [3, R] long: each row's draw, whether the draft the row verifies is accepted, and
+    whether the row's truncation was exact among its candidates (1 where there were none to
+    choose: a row that is not is redone with `candidates=None`, `resample_inexact`).
 
     Row j verifying draft d accepts it when u < p_j(d), u = 1 - exp(-noise[j, V]) (uniform on
     [0, 1) when the noise is Exp(1), as `uniform_` is: a draft of probability 1 is always
@@ -161,8 +224,14 @@ def sample_rows(
     with no mass left (p one-hot at its draft, which is then always accepted) draws an entry
     that is never used."""
     temperature = settings[0].float()
-    truncation_args = (settings[1].long(), settings[2].float()) if truncates else ()
-    probs = batched_probs(logits, temperature, *truncation_args)
+    if truncates and candidates is not None:
+        probs, exact = candidate_probs(
+            logits, temperature, settings[1].long(), settings[2].float(), candidates
+        )
+    else:
+        truncation_args = (settings[1].long(), settings[2].float()) if truncates else ()
+        probs = batched_probs(logits, temperature, *truncation_args)
+        exact = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     draft = settings[3].long()[:, None]
     verifies = draft >= 0
     at = draft.clamp(min=0)
@@ -172,7 +241,30 @@ def sample_rows(
     residual = probs.scatter_(1, at, torch.where(verifies, 0.0, p_draft))
     # An Exp(1) draw of exactly 0 would make 0 / 0 a NaN, which argmax would pick.
     draws = (residual / noise[:, :-1].clamp(min=torch.finfo(torch.float32).tiny)).argmax(-1)
-    return torch.stack([draws, accept[:, 0].long()])
+    return torch.stack([draws, accept[:, 0].long(), exact.long()])
+
+
+def resample_inexact(
+    logits: torch.Tensor,
+    settings: torch.Tensor,
+    noise: torch.Tensor,
+    exact: list[int],
+    draws: list[int],
+    accepted: list[int],
+) -> None:
+    """Redo, with the whole rows sorted, the rows whose truncation did not fit among their
+    candidates, from the same logits, settings and noise (so a seeded request's draw is its
+    seed's either way); their draws and acceptances are replaced in place."""
+    rows = [j for j, ok in enumerate(exact) if not ok]
+    index = torch.tensor(rows, device=logits.device)
+    redone = sample_rows(
+        logits.index_select(0, index),
+        settings.index_select(1, index),
+        noise.index_select(0, index),
+        True,
+    ).tolist()
+    for j, draw, accept in zip(rows, redone[0], redone[1]):
+        draws[j], accepted[j] = draw, accept
 
 
 def verify_and_sample_batch(
@@ -228,8 +320,10 @@ def verify_and_sample_batch(
     if graphs is not None:
         out = graphs.replay(size, truncates)
     else:
-        out = sample_rows(logits, settings, noise, truncates)
-    draws, accepted = out.tolist()  # one copy to the host
+        out = sample_rows(logits, settings, noise, truncates, num_candidates(vocab, device))
+    draws, accepted, exact = out.tolist()  # one copy to the host
+    if not all(exact[:num_rows]):
+        resample_inexact(logits, settings, noise, exact[:num_rows], draws, accepted)
     results, start = [], 0
     for drafts, n in zip(draft_token_ids, rows_per):
         num_accepted = 0

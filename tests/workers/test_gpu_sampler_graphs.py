@@ -17,16 +17,21 @@ pytestmark = pytest.mark.gpu
 ALPHA = 1e-3
 
 
-def _sampler(vocab: int, max_rows: int) -> SamplerGraphs:
-    return SamplerGraphs(DecodeGraphs(None, 1, 1, torch.device("cuda")), vocab, max_rows)
+def _sampler(vocab: int, max_rows: int, candidates: int | None = None) -> SamplerGraphs:
+    decode = DecodeGraphs(None, 1, 1, torch.device("cuda"))
+    return SamplerGraphs(decode, vocab, max_rows, candidates)
 
 
-@pytest.mark.parametrize("truncates", [False, True])
-def test_replay_is_the_eager_function(truncates):
+@pytest.mark.parametrize(
+    "truncates,candidates", [(False, 0), (True, 0), (True, 100)], ids=["plain", "sort", "top-100"]
+)
+def test_replay_is_the_eager_function(truncates, candidates):
     """Every bucket up to 64 rows over a 1000-token vocabulary, random logits, settings and
-    noise (drafts on some rows): the replay's draws and acceptances equal `sample_rows`'."""
+    noise (drafts on some rows): the replay's draws, acceptances and exactness equal
+    `sample_rows`', with top-k / top-p by the sort or among 100 candidates (a top-k captured
+    in the graph)."""
     vocab = 1000
-    sampler = _sampler(vocab, 64)
+    sampler = _sampler(vocab, 64, candidates)
     g = torch.Generator(device="cuda").manual_seed(0)
     for size in sampler.buckets:
         settings, noise = sampler.inputs(size)
@@ -44,7 +49,9 @@ def test_replay_is_the_eager_function(truncates):
             draft = torch.randint(-1, vocab, (size,), device="cuda", generator=g)
             settings.copy_(torch.stack([temperature, kth, top_p, draft]).double())
             got = sampler.replay(size, truncates).clone()
-            want = sample_rows(logits.clone(), settings.clone(), noise.clone(), truncates)
+            want = sample_rows(
+                logits.clone(), settings.clone(), noise.clone(), truncates, candidates or None
+            )
             assert torch.equal(got, want)
     assert len(sampler.graphs) == len(sampler.buckets)
 

@@ -13,10 +13,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import workers.sampler
 from workers.batch import SamplingSpec
 from workers.sampler import (
     NO_TOP_P,
     batched_probs,
+    candidate_probs,
+    num_candidates,
     processed_probs,
     sample_rows,
     token_logprobs,
@@ -94,6 +97,18 @@ SPECS = [
 ]
 
 
+@pytest.fixture(params=["sort", "candidates"])
+def truncate_among(request, monkeypatch):
+    """The batched sampler's top-k / top-p by the sort of whole rows, or among 3 candidates of
+    LOGITS' 6 entries (`candidate_probs`): then SPECS[1]'s top-k of 4 and top-p over the flat
+    row 2 do not fit, and those rows are redone with the sort (`resample_inexact`)."""
+    if request.param == "candidates":
+        monkeypatch.setattr(workers.sampler, "CANDIDATES", 3)
+        monkeypatch.setattr(workers.sampler, "CANDIDATES_MIN_VOCAB", 1)
+    assert (num_candidates(6, torch.device("cpu")) is not None) == (request.param == "candidates")
+    return request.param
+
+
 def test_batched_probs_are_each_rows_own():
     rows = torch.cat([LOGITS] * len(SPECS))
     per_row = [s for s in SPECS for _ in range(len(LOGITS))]
@@ -122,7 +137,7 @@ def test_truncation_of_each_setting():
     assert truncation(SamplingSpec(temperature=0.7, top_k=3, top_p=0.9), 6) == (2, 0.9)
 
 
-def test_batched_rejection_sampling_preserves_each_requests_distribution():
+def test_batched_rejection_sampling_preserves_each_requests_distribution(truncate_among):
     """NUM_DRAWS requests of each of SPECS in one batch, all verifying the same two drafts:
     each group's first token (and, after an accepted first draft, its second) follows its own
     target rows, as `verify_and_sample` does one request at a time."""
@@ -174,7 +189,7 @@ def test_token_logprobs_of_a_step_at_once():
         assert [v for _, v in entry["top"]] == pytest.approx(values.tolist(), abs=1e-6)
 
 
-def test_seeded_requests_in_a_batch_draw_from_their_own_streams():
+def test_seeded_requests_in_a_batch_draw_from_their_own_streams(truncate_among):
     """A seeded request's tokens depend on its generator only, not on the requests drawn with
     it or on the global stream; and seeded draws keep each request's distribution."""
     drafts = [1, 3]
@@ -232,7 +247,8 @@ def test_sample_rows_accepts_below_the_drafts_probability_and_draws_from_the_res
     u = torch.tensor([below, above, 0.0, 0.0, 1.0])
     noise[:, vocab] = -torch.log1p(-u)  # E = inf at u = 1
     noise[:, :vocab][probs == 0] = 0.0  # dropped by top-k / top-p: still never drawn
-    draws, accepted = sample_rows(logits, _settings(rows, vocab), noise, True).tolist()
+    draws, accepted, exact = sample_rows(logits, _settings(rows, vocab), noise, True).tolist()
+    assert exact == [1] * len(rows)  # the sort: every row exact
     assert accepted == [1, 0, 1, 0, 0]  # u = 0 always accepts (p > 0); u = 1 never does
     # A draft of probability 1 is accepted even at a noise of exactly 0 (u = 0).
     sure = torch.full((1, vocab), -1e9)
@@ -248,7 +264,96 @@ def test_sample_rows_accepts_below_the_drafts_probability_and_draws_from_the_res
     assert draws[3] == 0  # no draft: the most likely token itself
     # Without truncation (no row cuts anything) the same function, no sort.
     plain = [(SPECS[0], 1), (SPECS[0], -1)]
-    draws, accepted = sample_rows(
+    draws, accepted, exact = sample_rows(
         LOGITS[:2], _settings(plain, vocab), torch.ones(2, vocab + 1), False
     ).tolist()
-    assert draws == [0, 1] and accepted == [0, 0]
+    assert draws == [0, 1] and accepted == [0, 0] and exact == [1, 1]
+
+
+def _zipf_rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Peaked logits, as a trained model's next token mostly is (probability ~ 1 / rank^2 over a
+    random order of the vocabulary: the top 64 of 2,000 hold 99%), each row its own order."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    rows = [(-2.0 * ranks.log())[torch.randperm(vocab, generator=g)] for _ in range(num_rows)]
+    return torch.stack(rows)
+
+
+def test_candidate_probs_are_the_sorts_where_they_fit():
+    """Top-k / top-p among the 64 largest of 2,000 logits: a row whose kept set lies among its
+    candidates gets the sort's probabilities (to fp32 rounding) and says it is exact; a row
+    whose kept set does not fit says it is not (its values are then never used)."""
+    vocab, candidates = 2000, 64
+    peaked = _zipf_rows(6, vocab, 0)
+    flat = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1)) * 0.1
+    ties = torch.zeros(1, vocab)
+    ties[0, :3] = torch.tensor([5.0, 4.0, 3.0])
+    ties[0, 3:100] = 3.0  # 98 logits equal to the 3rd largest: all kept by a top-k of 3
+    logits = torch.cat([peaked, flat, ties])
+    # (temperature, top_k, top_p, exact?) per row
+    rows = [
+        (1.0, 0, 0.9, True),  # top-p of a peaked row: well inside 64
+        (0.7, 20, 0.95, True),
+        (1.3, 0, 1.0, True),  # truncates nothing: the whole row's softmax
+        (1.0, 63, 1.0, True),  # the 63rd largest: the 64th candidate is below it
+        (1.0, 64, 1.0, False),  # the last candidate: a tie past the candidates is not ruled out
+        (1.0, 0, 0.999, False),  # a top-p past the candidates' mass
+        (1.0, 0, 0.5, False),  # flat: half the mass needs far more than 64 tokens
+        (1.0, 10, 0.9, True),  # flat, but a top-k of 10 bounds it
+        (1.0, 3, 1.0, False),  # the 3rd largest ties with 97 more, past the candidates
+    ]
+    specs = [SamplingSpec(temperature=t, top_k=k, top_p=p) for t, k, p, _ in rows]
+    cuts = [truncation(spec, vocab) or (vocab - 1, NO_TOP_P) for spec in specs]
+    args = (
+        logits,
+        torch.tensor([spec.temperature for spec in specs]),
+        torch.tensor([k for k, _ in cuts]),
+        torch.tensor([p for _, p in cuts]),
+    )
+    got, exact = candidate_probs(*args, candidates)
+    want = batched_probs(*args)
+    assert exact.tolist() == [ok for *_, ok in rows]
+    torch.testing.assert_close(got[exact], want[exact], atol=1e-6, rtol=1e-5)
+    kept = want > 0
+    assert torch.equal(got[exact] > 0, kept[exact])  # the same tokens kept
+    assert kept[0].sum() < candidates < kept[5].sum()  # what made rows 0 and 5 differ
+    assert kept[8].sum() == 100  # the sort keeps every tie with the 3rd largest
+
+
+def test_candidates_draw_the_sorts_tokens(monkeypatch):
+    """Seeded requests at a 2,000-entry vocabulary, verifying drafts, truncated among 64
+    candidates (rows that do not fit redone with the sort) draw the very tokens the sort of
+    whole rows draws from the same noise; and some rows were redone."""
+    vocab = 2000
+    logits = torch.cat([_zipf_rows(24, vocab, 2), torch.randn(6, vocab) * 0.1])
+    settings = [
+        dict(temperature=1.0, top_p=0.9),
+        dict(temperature=0.8, top_k=40),
+        dict(temperature=1.0, top_p=0.99),
+        dict(temperature=0.6, top_k=200, top_p=0.8),
+        dict(temperature=1.2),
+    ]
+    specs, drafts = [], []
+    for i in range(10):  # 10 requests of 3 rows: 2 drafts each
+        specs.append(SamplingSpec(**settings[i % len(settings)]))
+        drafts.append([int(logits[3 * i].argmax()), int(logits[3 * i + 1].argmax())])
+
+    def draw(candidates: bool) -> list:
+        monkeypatch.setattr(workers.sampler, "CANDIDATES", 64)
+        monkeypatch.setattr(workers.sampler, "CANDIDATES_MIN_VOCAB", 1 if candidates else 10**9)
+        generators = [torch.Generator().manual_seed(7 + i) for i in range(len(specs))]
+        return verify_and_sample_batch(logits, drafts, specs, generators)
+
+    redone = []
+    resample = workers.sampler.resample_inexact
+
+    def counting(*args):
+        redone.append(args[3].count(0))
+        resample(*args)
+
+    monkeypatch.setattr(workers.sampler, "resample_inexact", counting)
+    want = draw(candidates=False)
+    assert not redone
+    assert draw(candidates=True) == want
+    assert redone and 0 < redone[0] < len(logits)
+    assert any(accepted for _, accepted in want)  # drafts were verified, some accepted
