@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from workers.attention_metadata import AttentionMetadata
-from workers.sampler import num_candidates, padding_settings, sample_rows
+from workers.sampler import noise_width, num_candidates, padding_settings, sample_rows
 from workers.step_tensors import StepLayout, pack_step
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -160,9 +160,9 @@ class SamplerGraphs:
         # sort). Default: the device's `num_candidates`, as the eager sampler takes it.
         self.candidates = num_candidates(vocab, device) if candidates is None else candidates
         # The buckets share one buffer of logits and one of noise (a bucket's rows are a
-        # prefix of them): [max_rows, V] and [max_rows, V + 1] fp32.
+        # prefix of them): [max_rows, V] and [max_rows, `noise_width`] fp32.
         self._logits = torch.zeros(max_rows, vocab, device=device)
-        self._noise = torch.ones(max_rows, vocab + 1, device=device)
+        self._noise = torch.ones(max_rows, noise_width(vocab, device), device=device)
         padding = torch.tensor(padding_settings(vocab), dtype=torch.float64, device=device)
         self._settings = {b: padding[:, None].repeat(1, b) for b in self.buckets}
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -176,7 +176,7 @@ class SamplerGraphs:
         return self._logits[:num_rows]
 
     def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A bucket's static settings [4, size] and noise [size, V + 1]."""
+        """A bucket's static settings [4, size] and noise [size, `noise_width`]."""
         return self._settings[size], self._noise[:size]
 
     def keys(self) -> list[tuple[int, bool]]:

@@ -19,6 +19,7 @@ from workers.sampler import (
     NO_TOP_P,
     batched_probs,
     candidate_probs,
+    noise_width,
     num_candidates,
     processed_probs,
     sample_rows,
@@ -357,3 +358,27 @@ def test_candidates_draw_the_sorts_tokens(monkeypatch):
     assert draw(candidates=True) == want
     assert redone and 0 < redone[0] < len(logits)
     assert any(accepted for _, accepted in want)  # drafts were verified, some accepted
+
+
+def test_the_inverse_cdf_draw_never_picks_a_token_without_mass():
+    """On CPU a row draws by the inverse of its cumulative distribution at u = 1 - exp(-E)
+    (noise [R, 2]: the draw's Exp(1), the acceptance's). u = 0 picks the first entry with mass,
+    u = 1 (E = inf: 1 - exp(-E) rounds to 1 from E ~ 17 in fp32) the last, never an entry of
+    probability 0 at either end; a draft is removed from the residual first."""
+    assert noise_width(6, torch.device("cpu")) == 2
+    assert noise_width(6, torch.device("cuda")) == 7
+    logits = torch.full((1, 6), float("-inf"))
+    logits[0, 1], logits[0, 3] = 0.0, 1.0  # mass on tokens 1 and 3 only
+    settings = _settings([(SPECS[0], -1)], 6)
+    for e, want in ((0.0, 1), (float("inf"), 3), (40.0, 3), (0.1, 1), (3.0, 3)):
+        noise = torch.tensor([[e, 1.0]])
+        draws, accepted, exact = sample_rows(logits, settings, noise, False).tolist()
+        assert draws == [want], e
+    # p(1) = 1 / (1 + e) = 0.269: u = 1 - exp(-0.1) = 0.095 falls in token 1's share, u =
+    # 1 - exp(-3) = 0.95 in token 3's. With draft 3 verified and rejected (u = 1 - exp(-E) = 1
+    # is never below p(3)), the residual is token 1 alone, whatever the draw's noise.
+    rejecting = _settings([(SPECS[0], 3)], 6)
+    for e in (0.0, 3.0, float("inf")):
+        noise = torch.tensor([[e, float("inf")]])
+        draws, accepted, _ = sample_rows(logits, rejecting, noise, False).tolist()
+        assert draws == [1] and accepted == [0]
