@@ -1,18 +1,17 @@
 """The model runner's host work per decode step, by phase, batch size and context.
 
     python benchmarks/bench_runner_host.py [--device cpu|cuda] [--path graph|eager] [--drafts K]
-        [--temperature T [--top-p P] [--seed S] [--sampler graph|eager]]
+        [--temperature T [--top-p P] [--seed S] [--sampler graph|eager]] [--model DIR]
 
-Runs `ModelRunner.execute` on decode steps of the tiny checkpoint with the model replaced by a
-stand-in whose forward and LM head return preallocated hidden states and logits of the right
-shapes. The stand-in removes every layer, the LM head and the KV cache reads and writes (no block
-id is ever dereferenced, so the tables can be as long as the context asks for a pool that does
-not exist); what is left is what the runner itself does each step: building the step's tensors
-and host-to-device copies, copying them into the decode graph's static inputs, launching the
-graph, the argmax and its device-to-host copy, the acceptance loop and the results. The figure
-is the time the GPU waits for the host in a real step. The timed steps send no block-table
-entries (the runner holds the tables from the row's first step), as a decode step that allocates
-no block does.
+Runs `ModelRunner.execute` on decode steps of the tiny checkpoint (or `--model`'s) with the model
+replaced by a stand-in whose forward and LM head return preallocated hidden states and logits of the
+right shapes. The stand-in removes every layer, the LM head and the KV cache reads and writes (no
+block id is ever dereferenced, so the tables can be as long as the context asks for a pool that does
+not exist); what is left is what the runner itself does each step: building the step's tensors and
+host-to-device copies, copying them into the decode graph's static inputs, launching the graph, the
+argmax and its device-to-host copy, the acceptance loop and the results. The figure is the time the
+GPU waits for the host in a real step. The timed steps send no block-table entries (the runner holds
+the tables from the row's first step), as a decode step that allocates no block does.
 
 Paths: `graph` (the default) is the CUDA-graph decode path. On CUDA the graph is really captured
 and replayed (it holds only what the runner adds around the model, nothing of the model); on CPU,
@@ -100,9 +99,16 @@ class PhaseClock:
 
 
 def build_runner(
-    device: torch.device, path: str, max_batch: int, max_rows: int, clock, sampler: str = "graph"
+    device: torch.device,
+    path: str,
+    max_batch: int,
+    max_rows: int,
+    clock,
+    sampler: str = "graph",
+    model_dir: str | None = None,
 ):
-    model, _ = load_model(tiny_model_path(), torch.float32, device, enable_mtp=False)
+    model_dir = model_dir or tiny_model_path()
+    model, _ = load_model(model_dir, torch.float32, device, enable_mtp=False)
     max_context = max(CONTEXTS) + BLOCK
     runner = ModelRunner(model, 2, BLOCK, device, 0, max_context)
     stand_in = StandInModel(model, max_rows, device)
@@ -178,13 +184,18 @@ def main() -> None:
     ap.add_argument(
         "--seed", type=int, default=None, help="with --temperature: every request seeded"
     )
+    ap.add_argument(
+        "--model", default=None, help="checkpoint whose config (vocabulary) the runner takes"
+    )
     args = ap.parse_args()
     sampling = SamplingSpec(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     device = torch.device(args.device)
     torch.set_num_threads(1)
     clock = PhaseClock()
     q = args.drafts + 1
-    runner = build_runner(device, args.path, max(BATCHES), max(BATCHES) * q, clock, args.sampler)
+    runner = build_runner(
+        device, args.path, max(BATCHES), max(BATCHES) * q, clock, args.sampler, args.model
+    )
     vocab = runner.model.config.vocab_size
     how = f"temperature {args.temperature}, top-p {args.top_p}" if args.temperature else "greedy"
     how += "" if args.seed is None or not args.temperature else f", seed {args.seed}"
