@@ -164,12 +164,13 @@ def candidate_probs(
     top_p: torch.Tensor,
     candidates: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batched_probs` among each row's `candidates` largest logits: a top-k of the row
-    (partial selection) in place of its sort. -> ([R, V] probabilities, [R] exact).
+    """`batched_probs` among each row's `candidates` largest logits and one more (which tells a
+    tie with a top-k's k-th largest past them): a top-k of the row (partial selection) in place
+    of its sort. -> ([R, V] probabilities, [R] exact).
 
     A row's result is `batched_probs`' (to fp32 rounding) wherever what it keeps lies among its
     candidates, which `exact` says per row: with a top-k, when the last candidate is below its
-    k-th largest logit (k < `candidates`, and no tie with it outside); with a top-p only,
+    k-th largest logit (k <= `candidates`, and no tie with it outside); with a top-p only,
     when the candidates' mass (under the whole row's softmax) reaches top-p, so the first token
     past them is dropped. A row that truncates nothing takes the whole row's softmax and is
     exact. The caller redoes the rows that are not with `batched_probs` (a flat distribution
@@ -177,9 +178,10 @@ def candidate_probs(
     vocab = logits.shape[-1]
     scaled = logits / temperature[:, None]
     whole = scaled.softmax(-1)  # the rows that truncate nothing; a top-p-only row's mass
-    values, ids = scaled.topk(candidates, dim=-1)  # sorted, descending
+    width = min(candidates + 1, vocab)
+    values, ids = scaled.topk(width, dim=-1)  # sorted, descending
     has_k = kth_index < vocab - 1
-    kth = values.gather(1, kth_index.clamp(max=candidates - 1)[:, None])
+    kth = values.gather(1, kth_index.clamp(max=width - 1)[:, None])
     kth = torch.where(has_k[:, None], kth, float("-inf"))
     # With a top-k the row's softmax is over what it keeps (all candidates when exact); with
     # none, over the whole row.
@@ -190,7 +192,7 @@ def candidate_probs(
     kept = cand.masked_fill(mass - cand >= top_p[:, None], 0.0)
     kept = kept / kept.sum(-1, keepdim=True)
     truncating = has_k | (top_p < 1.0)
-    within_k = has_k & (kth_index < candidates) & (values[:, -1] < kth[:, 0])
+    within_k = has_k & (kth_index < width - 1) & (values[:, -1] < kth[:, 0])
     within_p = ~has_k & (mass[:, -1] >= top_p)
     exact = ~truncating | within_k | within_p
     probs = torch.where(truncating[:, None], torch.zeros_like(whole).scatter_(1, ids, kept), whole)

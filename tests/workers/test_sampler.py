@@ -296,8 +296,8 @@ def test_candidate_probs_are_the_sorts_where_they_fit():
         (1.0, 0, 0.9, True),  # top-p of a peaked row: well inside 64
         (0.7, 20, 0.95, True),
         (1.3, 0, 1.0, True),  # truncates nothing: the whole row's softmax
-        (1.0, 63, 1.0, True),  # the 63rd largest: the 64th candidate is below it
-        (1.0, 64, 1.0, False),  # the last candidate: a tie past the candidates is not ruled out
+        (1.0, 64, 1.0, True),  # the 64th largest: the one taken past the candidates is below
+        (1.0, 65, 1.0, False),  # a top-k past the candidates
         (1.0, 0, 0.999, False),  # a top-p past the candidates' mass
         (1.0, 0, 0.5, False),  # flat: half the mass needs far more than 64 tokens
         (1.0, 10, 0.9, True),  # flat, but a top-k of 10 bounds it
