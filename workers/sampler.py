@@ -140,7 +140,7 @@ def batched_probs(
 # Top-k / top-p among each row's CANDIDATES most likely tokens (`candidate_probs`) instead of a
 # sort of the whole vocabulary, at vocabularies of at least CANDIDATES_MIN_VOCAB: DeepSeek-V3.2's
 # 129,280 entries sorted for every sampled row was most of a sampled step's device time (4.4 ms
-# at 256 rows on the H200; on CPU a sort of [16, 129280] is ~15x a top-1024 of it). Below it
+# at 256 rows on the H200; on CPU 113 ms against 15 ms at 16 rows, BENCHMARKS.md). Below it
 # the sort is cheap and stays. On the devices of CANDIDATE_DEVICES only: on CUDA the top-k's
 # capture in the sampler's graphs and its device time against the sort are not measured yet
 # (`benchmarks/bench_sampler_graphs.py --device-time` measures both).
@@ -202,8 +202,8 @@ def candidate_probs(
 # How a row's token is drawn from its residual. On CUDA: the argmax of p / E over an Exp(1)
 # entry per token (`multinomial`'s own method there; the noise is [R, V + 1], one fill). On the
 # devices of CDF_DRAW_DEVICES: by the inverse of the row's cumulative distribution at one
-# uniform (noise [R, 2]): on CPU, V exponentials a row cost more than the rest of the sampler
-# (1.06 of 1.7 ms at 16 rows of 4,096 on the 2-core box; 37.6 ms at 16 rows of 129,280).
+# uniform (noise [R, 2]): on CPU, V exponentials a row were most of a sampled step's sampler
+# (at 64 requests of 4,096 entries 5.5-8.2 ms, 0.6 ms by the inverse CDF; BENCHMARKS.md).
 CDF_DRAW_DEVICES = ("cpu",)
 
 
@@ -356,7 +356,8 @@ def verify_and_sample_batch(
     else:
         out = sample_rows(logits, settings, noise, truncates, num_candidates(vocab, device))
     draws, accepted, exact = out.tolist()  # one copy to the host
-    if not all(exact[:num_rows]):
+    # Only truncating rows among candidates can be inexact (`sample_rows`).
+    if truncates and not all(exact[:num_rows]):
         resample_inexact(logits, settings, noise, exact[:num_rows], draws, accepted)
     results, start = [], 0
     for drafts, n in zip(draft_token_ids, rows_per):
