@@ -79,3 +79,53 @@ def test_draws_through_the_graphs_keep_each_requests_distribution():
         assert first[~keep].sum() == 0
         assert chisquare(first[keep], p0[keep] * draws).pvalue > ALPHA
     assert sampler.graphs  # the draws replayed a graph
+
+
+def test_engine_draws_among_candidates_what_the_sort_draws(tmp_path, monkeypatch):
+    """Through the CUDA engine (sampler graphs, MTP k=2 verify rows, seeded requests with top-p
+    / top-k) at a 20,000-entry vocabulary: truncating among 64 candidates draws the tokens the
+    sort draws, with some rows redone by the sort (`resample_inexact`) and graphs that did use
+    candidates. tests/cluster/test_engine_sampling.py is the CPU side."""
+    import workers.sampler
+    from cluster.llm import LLM
+    from cluster.sampling_params import SamplingParams
+    from workers.tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "vocab20k"), seed=0, mtp_echo=0.1, vocab_size=20000)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 20000, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    settings = [(0.1, 0.9, 0), (0.05, 1.0, 50), (1.0, 0.95, 0), (0.2, 0.8, 20)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=t, top_p=p, top_k=k, seed=10 + i, ignore_eos=True)
+        for i, (t, p, k) in enumerate(settings)
+    ]
+    redone = []
+    resample = workers.sampler.resample_inexact
+
+    def counting(logits, settings, noise, exact, draws, accepted):
+        redone.append(exact.count(0))
+        return resample(logits, settings, noise, exact, draws, accepted)
+
+    monkeypatch.setattr(workers.sampler, "resample_inexact", counting)
+    monkeypatch.setattr(workers.sampler, "CANDIDATES", 64)
+
+    def generate(min_vocab: int):
+        monkeypatch.setattr(workers.sampler, "CANDIDATES_MIN_VOCAB", min_vocab)
+        engine = LLM(
+            model, device="cuda", dtype="float32", num_draft_tokens=2, max_num_seqs=4
+        ).engine
+        ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+        final = {}
+        while engine.has_unfinished:
+            final.update((o.request_id, o) for o in engine.step() if o.finished)
+        graphs = engine.executor.worker.runner.sampler_graphs
+        return [final[i].token_ids for i in ids], graphs
+
+    want, sorting = generate(10**9)
+    assert not redone and not any(sorting.candidates.values())
+    got, among = generate(1)
+    assert got == want
+    assert sum(redone) > 0
+    assert among.candidates[1] is None and among.candidates[4] == 64  # one row sorts on CUDA
+    assert any(key[0] > 1 and key[1] for key in among.graphs)  # a truncating replay among them
+    assert all(len(t) == 12 for t in got)

@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 import workers.sampler
 from workers.batch import SamplingSpec
 from workers.sampler import (
+    CANDIDATES,
     NO_TOP_P,
     batched_probs,
     candidate_probs,
@@ -106,8 +107,24 @@ def truncate_among(request, monkeypatch):
     if request.param == "candidates":
         monkeypatch.setattr(workers.sampler, "CANDIDATES", 3)
         monkeypatch.setattr(workers.sampler, "CANDIDATES_MIN_VOCAB", 1)
-    assert (num_candidates(6, torch.device("cpu")) is not None) == (request.param == "candidates")
+    assert (num_candidates(6, torch.device("cpu"), 1) is not None) == (
+        request.param == "candidates"
+    )
     return request.param
+
+
+def test_candidates_by_device_vocabulary_and_rows():
+    """Candidates where they pay (CANDIDATE_MIN_ROWS, CANDIDATES_MIN_VOCAB), the sort elsewhere:
+    on CUDA one row's top-k is slower than its sort; a device not named always sorts."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    big, small = 129280, 4096
+    assert num_candidates(big, cpu, 1) == CANDIDATES
+    assert num_candidates(big, cuda, 1) is None
+    assert num_candidates(big, cuda, 2) == CANDIDATES
+    assert num_candidates(big, cuda, 256) == CANDIDATES
+    assert num_candidates(small, cpu, 64) is None
+    assert num_candidates(small, cuda, 64) is None
+    assert num_candidates(big, torch.device("meta"), 64) is None
 
 
 def test_batched_probs_are_each_rows_own():
