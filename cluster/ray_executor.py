@@ -34,6 +34,10 @@ from workers.batch import StepFailure, StepInput, StepOutput
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0  # placement, actor start, rendezvous, and loading the shard
+# The ranks run at the normal priority, not at Ray's worker niceness of 15: a rank's host work
+# is every step's critical path (deploy.app.ENGINE_PRIORITY_ENV says more). An actor's
+# runtime_env env_vars are merged into its parent's.
+RANK_ENV_VARS = {"RAY_worker_niceness": "0"}
 HEALTH_TIMEOUT_S = 10.0
 
 
@@ -108,6 +112,7 @@ class RayExecutor(Executor):
                         ),
                         max_restarts=0,
                         max_concurrency=2,  # ping while a step runs
+                        runtime_env={"env_vars": RANK_ENV_VARS},
                     ).remote(rank, spec)
                 )
             address = self._get(self.workers[0].open_store.remote(), STARTUP_TIMEOUT_S)

@@ -20,6 +20,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import EngineConfig
+from cluster.ray_executor import RANK_ENV_VARS
 from deploy.ingress import OpenAIIngress
 from deploy.limits import IngressLimits
 from deploy.metrics import MetricsHub
@@ -38,14 +39,22 @@ METRICS_HUB_NAME = "MetricsHub"
 # message of every request crossed, and writes its log file in batches (ERROR flushes at once).
 # Our code never blocks that loop: model loads, rebuilds and tokenization run on threads.
 # Measured (bench_serve, model-less executor, 32 concurrent, 2-core box): the replica's CPU per
-# request 1.55 -> 1.09 ms streamed, 1.10 -> 0.94 not streamed. Set where Ray starts
-# (deploy.local_server.start_local_ray) and in the Serve configs' runtime_env; a test keeps the
-# configs equal to this.
+# request 1.55 -> 1.09 ms streamed, 1.10 -> 0.94 not streamed. Part of APP_ENV_VARS.
 SERVE_REQUEST_PATH_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
 }
+# Ray starts its worker processes at niceness 15 (its `worker_niceness`), below every other
+# process of the host: the replicas, the engine process they start and the TP ranks would be
+# the first to lose a contended core, to the clients, Ray's own daemons and anything else on the
+# node. The engine's step loop is the server's critical path; it runs at the normal priority
+# (Ray's job manager does the same for job drivers). The TP ranks get it from the Ray executor
+# as well (cluster.ray_executor), whoever creates them.
+ENGINE_PRIORITY_ENV = dict(RANK_ENV_VARS)
+# What the app's processes get: set where Ray starts (deploy.local_server.start_local_ray) and
+# in the Serve configs' runtime_env; a test keeps the configs equal to this.
+APP_ENV_VARS = {**SERVE_REQUEST_PATH_ENV, **ENGINE_PRIORITY_ENV}
 
 
 class AppArgs(BaseModel):

@@ -86,9 +86,9 @@ def start_local_ray(
         return
     if direct_port is not None:
         os.environ.update(direct_ingress_env(direct_port))
-    from deploy.app import SERVE_REQUEST_PATH_ENV
+    from deploy.app import APP_ENV_VARS
 
-    for name, value in SERVE_REQUEST_PATH_ENV.items():  # a value the user set stays
+    for name, value in APP_ENV_VARS.items():  # a value the user set stays
         os.environ.setdefault(name, value)
     ray.init(address="local", num_cpus=num_cpus, dashboard_host=LOOPBACK, logging_level=quiet)
 

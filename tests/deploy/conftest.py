@@ -62,10 +62,10 @@ def ray_session():
     import ray
     from ray import serve
 
-    from deploy.app import SERVE_REQUEST_PATH_ENV
+    from deploy.app import APP_ENV_VARS
 
-    saved = {name: os.environ.get(name) for name in SERVE_REQUEST_PATH_ENV}
-    os.environ.update(SERVE_REQUEST_PATH_ENV)  # as `mtpserve serve` starts Ray
+    saved = {name: os.environ.get(name) for name in APP_ENV_VARS}
+    os.environ.update(APP_ENV_VARS)  # as `mtpserve serve` starts Ray
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     try:

@@ -28,17 +28,18 @@ def _deployment(app_config, name: str):
 
 def _check_serve_app(app_config) -> None:
     from deploy.app import (
+        APP_ENV_VARS,
         INGRESS_NAME,
         MODEL_SERVER_NAME,
-        SERVE_REQUEST_PATH_ENV,
         AppArgs,
         placement_bundles,
     )
 
     assert app_config.import_path == "deploy.app:build_app"
-    # The replicas get Serve's request-path switches as `mtpserve serve` sets them.
+    # The replicas get Serve's request-path switches and the engine's priority as `mtpserve
+    # serve` sets them.
     env_vars = (app_config.runtime_env or {}).get("env_vars", {})
-    assert {k: env_vars.get(k) for k in SERVE_REQUEST_PATH_ENV} == SERVE_REQUEST_PATH_ENV
+    assert {k: env_vars.get(k) for k in APP_ENV_VARS} == APP_ENV_VARS
     args = AppArgs.model_validate(app_config.args)  # the builder accepts exactly these args
     server = _deployment(app_config, MODEL_SERVER_NAME)
     # Bundles spelled out in YAML equal the ones the builder derives: 1 + one per TP rank.

@@ -93,6 +93,12 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
         assert _listen_addresses(port) == {"127.0.0.1"}
         # The ingress replica serves the port itself (Ray Serve's direct ingress), not the proxy.
         assert _listeners(port) == {"ray::ServeRepli"}, _listeners(port)
+        # The replica and the engine process it started run at the normal priority, not at
+        # Ray's worker niceness (15): deploy.app.ENGINE_PRIORITY_ENV.
+        [replica] = _listener_pids(port)
+        engines = [pid for pid in _children(replica) if "cluster.engine_process" in _cmdline(pid)]
+        assert len(engines) == 1, [_cmdline(pid) for pid in _children(replica)]
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in (replica, *engines)] == [0, 0]
         refused = _connect_without_token(_gcs_port(ray_root), env)
         assert refused.returncode != 0 and "token" in refused.stderr.lower(), refused
         server.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -111,6 +117,38 @@ def test_mtpserve_serve_answers_openai_and_stops_cleanly_on_sigint(
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
         kill_processes_under(ray_root)  # only this test's Ray, found by its temp root
+
+
+def _listener_pids(port: int) -> set[int]:
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return {
+        int(pid)
+        for line in lines.splitlines()
+        if line.split()[3].rpartition(":")[2] == str(port)
+        for pid in re.findall(r"pid=(\d+)", line)
+    }
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(proc.name))
+    return found
 
 
 def _listeners(port: int) -> set[str]:

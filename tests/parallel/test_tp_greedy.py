@@ -27,6 +27,12 @@ def _indexer_cache_abs_sum(actor) -> float:
     return float(sum(c.abs().sum() for c in actor.worker.model.index_caches))
 
 
+def _niceness(actor) -> int:
+    import os
+
+    return os.nice(0)
+
+
 @pytest.mark.parametrize("tp, ep, k, share_topk, topk_broadcast", LAYOUTS)
 def test_tp_greedy_matches_tp1(
     ray_local, tiny_model_dir, prompts, tp1_tokens, tp, ep, k, share_topk, topk_broadcast
@@ -81,6 +87,10 @@ def test_auto_executor_picks_ray_for_tp2(ray_local, tiny_model_dir, prompts, tp1
         assert isinstance(llm.engine.executor, RayExecutor)
         outs = llm.generate(prompts[:2], greedy_params())
         assert [o.token_ids for o in outs] == tp1_tokens[:2]
+        # The ranks run at the normal priority, not at Ray's worker niceness (15).
+        ray_local.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        workers = llm.engine.executor.workers
+        assert ray_local.get([w.run.remote(_niceness) for w in workers], timeout=60) == [0, 0]
     finally:
         llm.engine.shutdown()
 
