@@ -157,12 +157,8 @@ class SamplerGraphs:
         self.buckets = [b for b in (1 << i for i in range(16)) if b < max_rows] + [max_rows]
         device = decode.device
         # Top-k / top-p among this many candidates (`workers.sampler.candidate_probs`; 0: the
-        # sort) in every bucket. Default: each bucket's `num_candidates`, as the eager sampler
-        # takes it for a step of that many rows.
-        self.candidates = {
-            b: num_candidates(vocab, device, b) if candidates is None else candidates or None
-            for b in self.buckets
-        }
+        # sort). Default: the device's `num_candidates`, as the eager sampler takes it.
+        self.candidates = num_candidates(vocab, device) if candidates is None else candidates
         # The buckets share one buffer of logits and one of noise (a bucket's rows are a
         # prefix of them): [max_rows, V] and [max_rows, `noise_width`] fp32.
         self._logits = torch.zeros(max_rows, vocab, device=device)
@@ -190,7 +186,7 @@ class SamplerGraphs:
         settings, noise = self.inputs(size)
         logits = self._logits[:size]
         graph, out = self.decode.capture_graph(
-            lambda: sample_rows(logits, settings, noise, truncates, self.candidates[size])
+            lambda: sample_rows(logits, settings, noise, truncates, self.candidates or None)
         )
         self.graphs[(size, truncates)] = (graph, out)
 

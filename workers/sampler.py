@@ -140,22 +140,22 @@ def batched_probs(
 # Top-k / top-p among each row's CANDIDATES most likely tokens (`candidate_probs`) instead of a
 # sort of the whole vocabulary, at vocabularies of at least CANDIDATES_MIN_VOCAB: DeepSeek-V3.2's
 # 129,280 entries sorted for every sampled row was most of a sampled step's device time. Below it
-# the sort is cheap and stays. CANDIDATE_MIN_ROWS: per device, the fewest rows a step (or a
-# sampler graph's bucket) samples for the candidates to pay. Measured with
-# `benchmarks/bench_sampler_graphs.py --device-time` at 129,280 entries, top-p 0.9 (BENCHMARKS.md):
-# on the H200 one replay took 191 us sorting against 225 among candidates at 1 row, 379 against
-# 232 at 2, 4,394 against 1,282 at 256 (one row's top-k is a single block's work); on CPU 13.9 ms
-# against 1.1 at 1 row, 113 against 15 at 16. A device not named sorts.
+# the sort is cheap and stays. Measured with `benchmarks/bench_sampler_graphs.py --device-time`
+# at 129,280 entries, top-p 0.9 (BENCHMARKS.md): on the H200 one graph replay took 4,394 us
+# sorting against 1,282 among candidates at 256 rows, 379 against 232 at 2, but 191 against 225
+# at 1 row (one row's top-k is one block's work); on CPU 113 ms against 15 at 16 rows, 13.9
+# against 1.1 at 1. On every row count all the same: a seeded request then computes its
+# probabilities the same way whatever else is in its step (README: what a seed reproduces), for
+# 34 us more on a one-row step. A device not named sorts.
 CANDIDATES = 1024
 CANDIDATES_MIN_VOCAB = 16384
-CANDIDATE_MIN_ROWS = {"cpu": 1, "cuda": 2}
+CANDIDATE_DEVICES = ("cpu", "cuda")
 
 
-def num_candidates(vocab: int, device: torch.device, num_rows: int) -> int | None:
-    """How many candidates `sample_rows` truncates among at this vocabulary on this device, for
-    a step (or a graph bucket) of `num_rows` rows (None: it sorts the whole rows)."""
-    min_rows = CANDIDATE_MIN_ROWS.get(device.type)
-    if min_rows is None or num_rows < min_rows:
+def num_candidates(vocab: int, device: torch.device) -> int | None:
+    """How many candidates `sample_rows` truncates among at this vocabulary on this device
+    (None: it sorts the whole row)."""
+    if device.type not in CANDIDATE_DEVICES:
         return None
     return CANDIDATES if vocab >= CANDIDATES_MIN_VOCAB and CANDIDATES < vocab else None
 
@@ -357,7 +357,7 @@ def verify_and_sample_batch(
     if graphs is not None:
         out = graphs.replay(size, truncates)
     else:
-        out = sample_rows(logits, settings, noise, truncates, num_candidates(vocab, device, size))
+        out = sample_rows(logits, settings, noise, truncates, num_candidates(vocab, device))
     draws, accepted, exact = out.tolist()  # one copy to the host
     # Only truncating rows among candidates can be inexact (`sample_rows`).
     if truncates and not all(exact[:num_rows]):
