@@ -144,7 +144,7 @@ def batched_probs(
 # at 129,280 entries, top-p 0.9 (BENCHMARKS.md): on the H200 one graph replay took 4,394 us
 # sorting against 1,282 among candidates at 256 rows, 379 against 232 at 2, but 191 against 225
 # at 1 row (one row's top-k is one block's work); on CPU 113 ms against 15 at 16 rows, 13.9
-# against 1.1 at 1. On every row count all the same: a seeded request then computes its
+# against 1.1 at 1. Used at every row count even so: a seeded request then computes its
 # probabilities the same way whatever else is in its step (README: what a seed reproduces), for
 # 34 us more on a one-row step. A device not named sorts.
 CANDIDATES = 1024
