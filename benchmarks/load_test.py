@@ -27,7 +27,6 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -240,9 +239,9 @@ def model_vocab_size(model_dir: str) -> int:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from deploy.local_server import spare_ports
+
+    return spare_ports()[0]
 
 
 # --- the command -----------------------------------------------------------------------------

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # Ray and Serve are imported where they are used: `mtpserve --help` stays quick
@@ -93,10 +94,35 @@ def start_local_ray(
     ray.init(address="local", num_cpus=num_cpus, dashboard_host=LOOPBACK, logging_level=quiet)
 
 
-def _spare_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# Where a port is picked for a server that binds it later (Serve's proxy beside direct ingress;
+# the tests' and benchmarks' servers): not the kernel's ephemeral range (32768-60999 by
+# default), where Ray's own components bind port 0 as they start, so that a port picked there
+# can be taken before its server binds it (Serve then marks it unavailable and the replica
+# never starts); and not Ray's worker ports (10002-19999) or Serve's direct-ingress ranges
+# (30000-31000, 40000-41000).
+SPARE_PORTS = range(20000, 30000)
+
+
+def spare_ports(host: str = "127.0.0.1", n: int = 1) -> list[int]:
+    """`n` distinct ports of SPARE_PORTS free on `host` now (each held until all are chosen),
+    from a random place in the range."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    start = random.randrange(len(SPARE_PORTS))
+    chosen: list[int] = []
+    with ExitStack() as held:
+        for i in range(len(SPARE_PORTS)):
+            port = SPARE_PORTS[(start + i) % len(SPARE_PORTS)]
+            sock = socket.socket(family)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue
+            held.enter_context(sock)
+            chosen.append(port)
+            if len(chosen) == n:
+                return chosen
+    raise OSError(f"no {n} free ports in {SPARE_PORTS.start}-{SPARE_PORTS.stop - 1} on {host}")
 
 
 def _port_taken(host: str, port: int) -> bool:
@@ -119,7 +145,7 @@ def deploy(args: AppArgs, host: str, port: int, direct: bool = False) -> str:
     # The proxy's access log too: a log line per request costs the proxy ~20% of its CPU under
     # load on the 2-core box (measured with benchmarks/bench_serve.py). The controller's and
     # proxies' other INFO lines say what Serve does internally: warnings only.
-    proxy_port = _spare_port(host) if direct else port
+    proxy_port = spare_ports(host)[0] if direct else port
     serve.start(
         http_options={"host": host, "port": proxy_port},
         logging_config={"enable_access_log": args.access_log, "log_level": "WARNING"},

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,13 +33,11 @@ def free_port() -> int:
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports: each socket stays bound until all are chosen (ports taken one
-    at a time can repeat, and Ray refuses two components on one port)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
+    """`n` distinct free ports, as `mtpserve serve` picks its proxy's (ports taken one at a time
+    can repeat, and Ray refuses two components on one port)."""
+    from deploy.local_server import spare_ports
+
+    return spare_ports("127.0.0.1", n)
 
 
 def app_args(model_dir: str, **engine) -> dict:
