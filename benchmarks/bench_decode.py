@@ -300,7 +300,7 @@ def profile_step(
     launches = sum(e.count for e in events) / 5
     print(f"kernels per step {launches:.0f}, kernel time per step {total / 1e3:.3f} ms")
     print(f"{'us/step':>9} {'share':>6} {'count':>6}  kernel")
-    for e in events[:45]:
+    for e in events:
         us = e.device_time_total / 5
         print(f"{us:9.1f} {us / total * 100:5.1f}% {e.count / 5:6.0f}  {e.key[:110]}")
     if tokens_per_seq == 1:
@@ -331,8 +331,11 @@ def main() -> None:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="print the kernels of one b=1, 1k step (with --prefill-only: of one prefill chunk) "
-        "and exit",
+        help="print the kernels of one 1k decode step (with --prefill-only: of one prefill "
+        "chunk) and exit",
+    )
+    ap.add_argument(
+        "--profile-batch", type=int, default=1, help="with --profile: the decode step's batch"
     )
     args = ap.parse_args()
     lines = []
@@ -473,7 +476,7 @@ def run_single(args, emit, bw: float) -> None:
         profile_step(bench, 1, 0, args.prefill_chunk)
         return
     if args.profile:
-        profile_step(bench)
+        profile_step(bench, args.profile_batch)
         return
     emit("\n| prefill chunk | after context | ms | prefill tok/s |")
     emit("|---|---|---|---|")

@@ -106,15 +106,16 @@ def graph_us(fn, reps: int | None = None, replays: int = 5) -> float:
 
 
 def w8a16_candidates(num_tokens: int) -> list[Fp8TileConfig]:
-    block_m = 16 if num_tokens <= 16 else 64
     if num_tokens <= 16:
-        splits = (132, 264, 528, 1056)
+        block_ms, splits = (16,), (132, 264, 528, 1056)
+    elif num_tokens <= 32:  # MTP verify rows and b=32 decode: a 32-row tile pads nothing
+        block_ms, splits = (32, 64), (132, 264, 528, 1056)
     else:
-        splits = (132, 264, 528) if num_tokens <= 128 else (1, 132)
+        block_ms, splits = (64,), (132, 264, 528) if num_tokens <= 128 else (1, 132)
     return [
         Fp8TileConfig(block_m, block_n, warps, stages, split)
-        for block_n, (warps, stages), split in itertools.product(
-            (32, 64, 128), W8A16_WARPS_STAGES, splits
+        for block_m, block_n, (warps, stages), split in itertools.product(
+            block_ms, (32, 64, 128), W8A16_WARPS_STAGES, splits
         )
     ]
 
@@ -283,6 +284,13 @@ def sweep(shapes: dict, tokens: list[int], bw: float) -> None:
             for kernel in picks
         }
         print(f"| {t} | {sums[t]['w8a16']:.1f} | {sums[t]['w8a8']:.1f} |")
+    print("\nPer M, the w8a16 configs of the smallest sum over the projections (a step's time):\n")
+    for t in tokens:
+        runs = [results[(name, t)]["w8a16"] for name in shapes]
+        common = set.intersection(*(set(r) for r in runs))
+        by_sum = sorted(common, key=lambda c: sum(r[c] for r in runs))
+        for config in by_sum[:5]:
+            print(f"  {t}: {sum(r[config] for r in runs):.1f} us  {_short(config)}")
     wins = [sums[t]["w8a8"] < sums[t]["w8a16"] for t in tokens]
     min_tokens = next((t for i, t in enumerate(tokens) if all(wins[i:])), None)
     print("\n# kernels/fp8_linear.py")

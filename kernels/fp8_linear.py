@@ -64,7 +64,10 @@ PREFILL_CONFIG = Fp8TileConfig(block_m=64, block_n=128, num_warps=8, num_stages=
 W8A16_CONFIGS: dict[int, Fp8TileConfig] = {
     1: Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, split_target=264),
     16: Fp8TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, split_target=528),
-    32: Fp8TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_target=132),
+    # 17-32 rows (b=32 decode, MTP verify of 8 sequences at k=3) retuned (2026-12-03) with
+    # 32-row tiles: the smallest sum over the seven projections, 302.5 us (BENCHMARKS.md,
+    # session 20).
+    32: Fp8TileConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, split_target=1056),
     64: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
     128: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
     256: Fp8TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, split_target=132),
@@ -87,7 +90,7 @@ def config_for_rows(num_rows: int, configs: dict[int, Config]) -> Config:
 # time, see the module docstring). Allocated on a device's first split-K launch, never during a
 # CUDA-graph capture (the zeroing would become a graph node); a buffer outgrown is kept, not
 # freed, since a captured graph may still point at it.
-MIN_TILE_COUNTERS = 4096  # tiles of a split launch < split_target (<= 528 in the sweeps)
+MIN_TILE_COUNTERS = 4096  # tiles of a split launch < split_target (<= 1056 in the sweeps)
 _TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN_TILE_COUNTERS: list[torch.Tensor] = []
 

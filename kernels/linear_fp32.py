@@ -2,16 +2,19 @@
 
 DeepSeek keeps both in fp32 (the router's choice and the indexer's near-ties are discontinuous
 in them), so their inputs are upcast. The kernel reads the bf16 activations directly and each
-weight tile once for every token of the step; the twin upcasts and calls F.linear.
+weight element once for all the tokens of the step; the twin upcasts and calls F.linear.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8_linear import config_for_rows, split_k_workspace, store_split_k
 from kernels.launch import FLOAT_DTYPES, check_tensor, launch
-from kernels.platform import tl, triton
+from kernels.platform import tl, triton, triton_interpreter
 
 
 def linear_fp32_reference(
@@ -23,11 +26,44 @@ def linear_fp32_reference(
 
 
 # --- Triton ---------------------------------------------------------------------------------------
+#
+# One program per (BLOCK_N output features, split of K); every program holds all the step's
+# tokens (at most MAX_TOKENS), so each weight element is read once whatever the batch. Two tile
+# products, by the step's token count (LINEAR_FP32_CONFIGS):
+# - few tokens, on CUDA cores: one feature a program, K unsplit, a [BLOCK_T, BLOCK_K] broadcast
+#   product summed (a decode step of a few sequences: each program streams one weight row);
+# - more, on tensor cores: a tl.dot of the tokens (padded to 16 rows) with tf32x3 precision (bf16
+#   activations are exact in tf32 and the weight's two tf32 parts carry its 24 bits: the products
+#   are fp32's to ~2^-22), K split in fixed pieces and reduced in the same launch in a fixed order
+#   (`store_split_k`, as the FP8 linears do), since 1.8-7.3 MB of weights in 64 or 256 programs
+#   do not fill the GPU. The CUDA-core product at 32 tokens (what the kernel did before) cost
+#   122 us a router launch on the H200 against a ~2 us floor (BENCHMARKS.md, session 20).
+
+
+@dataclass(frozen=True)
+class LinearFp32Config:
+    block_n: int
+    block_k: int  # on CUDA cores: the product's elements per token (BLOCK_K = block_k / BLOCK_T)
+    k_per_split: int  # a multiple of block_k; 0: K unsplit
+    num_warps: int
+    num_stages: int
+    use_dot: bool = True  # tensor cores (tf32x3); False: CUDA cores
+
 
 # Tokens up to which the kernel runs (decode and MTP verify steps); larger steps use the twin
 # (a tensor-core GEMM reuses weight tiles better).
 MAX_TOKENS = 32
-_BLOCK_N = 1  # one weight row a program: 256 programs for the router, 64 for the indexer
+_MIN_DOT_TOKENS = 16  # tl.dot's smallest tile: fewer tokens are padded to it
+# By tokens, the first key >= the step's (`config_for_rows`). `benchmarks/bench_linear_fp32.py
+# --sweep` on the H200 (2026-12-03, BENCHMARKS.md session 20).
+LINEAR_FP32_CONFIGS: dict[int, LinearFp32Config] = {
+    1: LinearFp32Config(
+        block_n=1, block_k=2048, k_per_split=0, num_warps=4, num_stages=1, use_dot=False
+    ),
+    MAX_TOKENS: LinearFp32Config(
+        block_n=32, block_k=64, k_per_split=256, num_warps=4, num_stages=3
+    ),
+}
 
 
 # Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
@@ -39,47 +75,77 @@ def _linear_fp32_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    partial_ptr,
+    counter_ptr,
     x_row_stride,
     w_row_stride,
     num_tokens,
     n,
     k,
     scale,
+    num_splits,
+    k_per_split,
+    partial_split_stride,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
     tokens = tl.arange(0, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
+    token_mask = tokens < num_tokens
+    col_mask = cols < n
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, k)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        k_mask = (k0 + kk) < k
-        w = tl.load(
-            w_ptr + cols[:, None] * w_row_stride + k0 + kk[None, :],
-            mask=(cols[:, None] < n) & k_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = (k0 + kk) < k_end
         x = tl.load(
             x_ptr + tokens[:, None] * x_row_stride + k0 + kk[None, :],
-            mask=(tokens[:, None] < num_tokens) & k_mask[None, :],
+            mask=token_mask[:, None] & k_mask[None, :],
             other=0.0,
         ).to(tl.float32)  # [BLOCK_T, BLOCK_K]
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        w = tl.load(
+            w_ptr + cols[:, None] * w_row_stride + k0 + kk[None, :],
+            mask=col_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        if USE_DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(
-        out_ptr + tokens[:, None] * n + cols[None, :],
+    store_split_k(
         acc * scale,
-        mask=(tokens[:, None] < num_tokens) & (cols[None, :] < n),
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        tokens[:, None] * n + cols[None, :],  # out and partials: [T, N]
+        token_mask[:, None] & col_mask[None, :],
+        tl.program_id(0),
+        split,
+        num_splits,
+        partial_split_stride,
+        SPLIT_K,
     )
 
 
-def linear_fp32_triton(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Triton twin of `linear_fp32_reference` for at most MAX_TOKENS tokens (else the twin)."""
+def linear_fp32_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float = 1.0,
+    config: LinearFp32Config | None = None,
+) -> torch.Tensor:
+    """Triton twin of `linear_fp32_reference` for at most MAX_TOKENS tokens (else the twin);
+    `config`: LINEAR_FP32_CONFIGS' for the token count unless given (benchmarks sweep it)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     num_tokens, k = x.shape
@@ -90,33 +156,53 @@ def linear_fp32_triton(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0
         return linear_fp32_reference(x, weight, scale)
     out = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
     if num_tokens > 0:
-        block_t = max(1, triton.next_power_of_2(num_tokens))
+        c = config or config_for_rows(num_tokens, LINEAR_FP32_CONFIGS)
+        block_t = triton.next_power_of_2(num_tokens)
+        if c.use_dot:
+            block_t, block_k = max(_MIN_DOT_TOKENS, block_t), c.block_k
+        else:  # the broadcast product's elements per token
+            block_k = max(16, c.block_k // block_t)
+        k_per_split = c.k_per_split or k
+        tiles, num_splits = triton.cdiv(n, c.block_n), triton.cdiv(k, k_per_split)
+        partial, counters = split_k_workspace(out, num_splits, tiles)
         launch(
             _linear_fp32_kernel,
-            (triton.cdiv(n, _BLOCK_N),),
+            (tiles, num_splits),
             x,
             x,
             weight,
             out,
+            partial,
+            counters,
             x.stride(0),
             weight.stride(0),
             num_tokens,
             n,
             k,
             scale,
+            num_splits,
+            k_per_split,
+            out.numel(),
             BLOCK_T=block_t,
-            BLOCK_N=_BLOCK_N,
-            BLOCK_K=max(64, 2048 // block_t),
-            num_warps=4,
+            BLOCK_N=c.block_n,
+            BLOCK_K=block_k,
+            SPLIT_K=num_splits > 1,
+            USE_DOT=c.use_dot,
+            # the interpreter computes a dot in fp32 whatever the precision named
+            PRECISION="ieee" if triton_interpreter() else "tf32x3",
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
         )
     return out
 
 
 def warm_up_linear_fp32(device: torch.device, x_dtype: torch.dtype) -> None:
-    """Compile the kernel's variants (BLOCK_T and BLOCK_K follow the row count) for every row
-    count it takes, for activations of `x_dtype` against fp32 weights (the router's and the
-    indexer's, as the model keeps them); sizes and strides are not specialized on, so a small
-    dummy weight does."""
-    weight = torch.zeros(16, 128, dtype=torch.float32, device=device)
-    for num_tokens in range(1, MAX_TOKENS + 1):
-        linear_fp32_triton(torch.zeros(num_tokens, 128, dtype=x_dtype, device=device), weight)
+    """Compile the kernel's variants (the tiles follow the row count; K split or not) for every
+    row count it takes, for activations of `x_dtype` against fp32 weights (the router's and the
+    indexer's, as the model keeps them); sizes and strides are not specialized on, so small
+    dummy weights do."""
+    split = max(c.k_per_split for c in LINEAR_FP32_CONFIGS.values())
+    for width in (128, split + 128):
+        weight = torch.zeros(16, width, dtype=torch.float32, device=device)
+        for num_tokens in range(1, MAX_TOKENS + 1):
+            linear_fp32_triton(torch.zeros(num_tokens, width, dtype=x_dtype, device=device), weight)
