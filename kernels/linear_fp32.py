@@ -57,11 +57,15 @@ _MIN_DOT_TOKENS = 16  # tl.dot's smallest tile: fewer tokens are padded to it
 # By tokens, the first key >= the step's (`config_for_rows`). `benchmarks/bench_linear_fp32.py
 # --sweep` on the H200 (2026-12-03, BENCHMARKS.md session 20).
 LINEAR_FP32_CONFIGS: dict[int, LinearFp32Config] = {
-    1: LinearFp32Config(
-        block_n=1, block_k=2048, k_per_split=0, num_warps=4, num_stages=1, use_dot=False
+    2: LinearFp32Config(
+        block_n=1, block_k=4096, k_per_split=0, num_warps=8, num_stages=1, use_dot=False
     ),
+    4: LinearFp32Config(
+        block_n=1, block_k=4096, k_per_split=0, num_warps=4, num_stages=1, use_dot=False
+    ),
+    8: LinearFp32Config(block_n=32, block_k=128, k_per_split=256, num_warps=4, num_stages=3),
     MAX_TOKENS: LinearFp32Config(
-        block_n=32, block_k=64, k_per_split=256, num_warps=4, num_stages=3
+        block_n=64, block_k=128, k_per_split=256, num_warps=8, num_stages=3
     ),
 }
 
