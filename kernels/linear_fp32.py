@@ -70,10 +70,12 @@ LINEAR_FP32_CONFIGS: dict[int, LinearFp32Config] = {
 }
 
 
-# Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
-# shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
+# Batch-dependent sizes and strides (the partials' [T, N] stride too) are not specialized on: a
+# new batch shape must not compile a variant mid-serving (Worker.warm_up compiles the rest, on
+# the model's own weight shapes).
 @triton.jit(
-    do_not_specialize=["x_row_stride", "num_tokens"], do_not_specialize_on_alignment=["x_ptr"]
+    do_not_specialize=["x_row_stride", "num_tokens", "partial_split_stride"],
+    do_not_specialize_on_alignment=["x_ptr"],
 )
 def _linear_fp32_kernel(
     x_ptr,
@@ -200,13 +202,13 @@ def linear_fp32_triton(
     return out
 
 
-def warm_up_linear_fp32(device: torch.device, x_dtype: torch.dtype) -> None:
-    """Compile the kernel's variants (the tiles follow the row count; K split or not) for every
-    row count it takes, for activations of `x_dtype` against fp32 weights (the router's and the
-    indexer's, as the model keeps them); sizes and strides are not specialized on, so small
-    dummy weights do."""
-    split = max(c.k_per_split for c in LINEAR_FP32_CONFIGS.values())
-    for width in (128, split + 128):
-        weight = torch.zeros(16, width, dtype=torch.float32, device=device)
+def warm_up_linear_fp32(
+    device: torch.device, x_dtype: torch.dtype, weight_shapes: list[tuple[int, int]]
+) -> None:
+    """Compile the kernel's variants (the tiles follow the row count) for every row count it
+    takes, for activations of `x_dtype` against fp32 weights of each of `weight_shapes` (the
+    model's router and indexer head weights: the variants specialize on their sizes)."""
+    for n, k in weight_shapes:
+        weight = torch.zeros(n, k, dtype=torch.float32, device=device)
         for num_tokens in range(1, MAX_TOKENS + 1):
-            linear_fp32_triton(torch.zeros(num_tokens, width, dtype=x_dtype, device=device), weight)
+            linear_fp32_triton(torch.zeros(num_tokens, k, dtype=x_dtype, device=device), weight)

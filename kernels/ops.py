@@ -181,17 +181,19 @@ def warm_up_eager_kernels(
     max_positions: int,
     index_topk: int,
     num_local_experts: int,
+    fp32_weight_shapes: list[tuple[int, int]],
 ) -> None:
     """Compile the variants that an eager step's sizes pick (Triton devices; the twins have none)
     and that neither the graph captures nor the warm-up's dummy prefills are sure to meet: the
     top-k select per power of two of chunks up to `max_positions` keys, the grouped layout per
-    pair count, the fp32 linear per row count (activations in the model's `dtype`)."""
+    pair count, the fp32 linear per row count and weight shape (activations in the model's
+    `dtype`)."""
     if not use_triton(device):
         return
     warm_up_topk_select(max_positions, index_topk, device)
     if num_local_experts:
         warm_up_grouped_layout(num_local_experts, MOE_DECODE_CONFIG.block_m, device)
-    warm_up_linear_fp32(device, dtype)
+    warm_up_linear_fp32(device, dtype, fp32_weight_shapes)
 
 
 def sparse_mla_attention(

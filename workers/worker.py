@@ -16,7 +16,7 @@ from kernels.ops import warm_up_eager_kernels
 from kernels.platform import ensure_triton_cache_dir, watch_late_compiles
 from workers.batch import SamplingSpec, SeqWork, StepInput, StepOutput
 from workers.kv_cache import CacheFormat, cache_bytes_per_block, max_blocks_per_seq
-from workers.model import Experts
+from workers.model import Experts, Gate, Indexer
 from workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -277,13 +277,17 @@ class Worker:
             if key not in sampler.graphs:
                 sampler.capture(*key)
         self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
-        experts = next((m for m in self.model.modules() if isinstance(m, Experts)), None)
+        modules = list(self.model.modules())
+        experts = next((m for m in modules if isinstance(m, Experts)), None)
+        fp32_weights = [m.weight for m in modules if isinstance(m, Gate)]
+        fp32_weights += [m.weights_proj.weight for m in modules if isinstance(m, Indexer)]
         warm_up_eager_kernels(
             self.device,
             self.dtype,
             self.max_seq_slots,
             self.config.index_topk,
             experts.num_local if experts is not None else 0,
+            sorted({tuple(w.shape) for w in fp32_weights}),
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
