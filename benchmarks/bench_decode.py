@@ -308,6 +308,46 @@ def profile_step(
         print(f"graph replay {bench.graph_ms(graphs, batch, context, 1):.3f} ms/step")
 
 
+def pdl_per_kernel(bench: DecodeBench, batch: int = 1, contexts=(1024, 8192)) -> None:
+    """The b=`batch` graph replay with PDL on for every kernel, off for all, and off for one
+    Triton kernel at a time (MTPSERVE_PDL_OFF_KERNELS): which kernel's early launch costs more
+    than it gains."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = bench.eager_step(batch, contexts[0], 1)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = sorted(
+        {
+            e.key
+            for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and re.fullmatch(r"_\w+_kernel", e.key)
+        }
+    )
+
+    def replay_ms(pdl: bool, off: str = "") -> list[float]:
+        os.environ["MTPSERVE_PDL_OFF_KERNELS"] = off
+        graphs = bench.graphs(pdl, batch)
+        times = [bench.graph_ms(graphs, batch, context, 1, reps=50) for context in contexts]
+        del graphs
+        torch.cuda.empty_cache()
+        return times
+
+    header = " | ".join(f"ms at {c // 1024}k" for c in contexts)
+    print(f"\n| PDL | {header} |")
+    print("|---|" + "---|" * len(contexts))
+    rows = [("on for all", replay_ms(True)), ("off for all", replay_ms(False))]
+    rows += [(f"off for {name}", replay_ms(True, name)) for name in names]
+    rows.append(("on for all, again", replay_ms(True)))
+    os.environ.pop("MTPSERVE_PDL_OFF_KERNELS")
+    with_pdl(True)
+    for label, times in rows:
+        print(f"| {label} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -336,6 +376,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--profile-batch", type=int, default=1, help="with --profile: the decode step's batch"
+    )
+    ap.add_argument(
+        "--pdl-per-kernel",
+        action="store_true",
+        help="the b=1 step's graph replay with PDL off for one Triton kernel at a time, and exit",
     )
     args = ap.parse_args()
     lines = []
@@ -477,6 +522,9 @@ def run_single(args, emit, bw: float) -> None:
         return
     if args.profile:
         profile_step(bench, args.profile_batch)
+        return
+    if args.pdl_per_kernel:
+        pdl_per_kernel(bench)
         return
     emit("\n| prefill chunk | after context | ms | prefill tok/s |")
     emit("|---|---|---|---|")

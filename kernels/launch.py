@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kernels.platform import pdl_enabled, triton_interpreter
+from kernels.settings import settings
 
 Grid = tuple[int, ...] | Callable[[dict[str, Any]], tuple[int, ...]]
 
@@ -33,8 +34,11 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 
 
 def launch(kernel: Any, grid: Grid, device_tensor: torch.Tensor, *args: Any, **meta: Any) -> None:
-    """Launch `kernel[grid](*args, **meta)` with USE_PDL (and launch_pdl) set by the gate."""
-    use_pdl = pdl_enabled(kernel_device(device_tensor))
+    """Launch `kernel[grid](*args, **meta)` with USE_PDL (and launch_pdl) set by the gate, less
+    the kernels MTPSERVE_PDL_OFF_KERNELS names."""
+    use_pdl = pdl_enabled(kernel_device(device_tensor)) and (
+        kernel.fn.__name__ not in settings().pdl_off_kernels
+    )
     if use_pdl:
         kernel[grid](*args, USE_PDL=True, launch_pdl=True, **meta)
     else:

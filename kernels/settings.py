@@ -1,6 +1,10 @@
 """Every environment variable mtpserve reads, read in one place into one typed, frozen object.
 
 - `MTPSERVE_DISABLE_PDL=1` (`disable_pdl`): no programmatic dependent launch anywhere;
+- `MTPSERVE_PDL_OFF_KERNELS=name,name` (`pdl_off_kernels`): these Triton kernels (by function
+  name, e.g. `_rms_norm_kernel`) launch without PDL where the gate would allow it (finding a
+  kernel whose early launch costs more than it gains: `benchmarks/bench_decode.py
+  --pdl-per-kernel`);
 - `MTPSERVE_FORCE_REFERENCE=1` (`force_reference`): every op runs its pure-torch twin;
 - `MTPSERVE_FP8_W8A8=1` (`fp8_w8a8`): FP8 linears and FP8 routed experts quantize bf16 / fp16
   activations to FP8 per token and 128 columns in steps of `W8A8_MIN_TOKENS` tokens or more
@@ -32,6 +36,7 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 @dataclass(frozen=True)
 class Settings:
     disable_pdl: bool
+    pdl_off_kernels: frozenset[str]
     force_reference: bool
     fp8_w8a8: bool
     triton_interpret: bool
@@ -43,6 +48,10 @@ class Settings:
         base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return cls(
             disable_pdl=_flag(env, "MTPSERVE_DISABLE_PDL"),
+            pdl_off_kernels=frozenset(
+                name.strip() for name in env.get("MTPSERVE_PDL_OFF_KERNELS", "").split(",")
+            )
+            - {""},
             force_reference=_flag(env, "MTPSERVE_FORCE_REFERENCE"),
             fp8_w8a8=_flag(env, "MTPSERVE_FP8_W8A8"),
             triton_interpret=_flag(env, "TRITON_INTERPRET"),

@@ -58,7 +58,7 @@ from kernels.rmsnorm import (
     rms_norm_triton,
 )
 from kernels.rope import rope_reference, rope_triton
-from kernels.settings import reload_settings
+from kernels.settings import reload_settings, settings
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 from tests.kernels.conftest import INTERPRETER
 
@@ -357,3 +357,27 @@ def test_pdl_launch_where_the_gate_is_on(fake_platform, monkeypatch) -> None:
     assert {name for name, kwargs in recorded if kwargs.get("W_FP8")} == FP8_WEIGHT_KERNELS
     for name, kwargs in recorded:
         assert kwargs.get("launch_pdl") is True and kwargs["USE_PDL"] is True, name
+
+
+def test_kernels_named_off_launch_without_pdl(fake_platform, monkeypatch) -> None:
+    """MTPSERVE_PDL_OFF_KERNELS takes PDL from the kernels it names, and from no other, where
+    the gate is on (recorded launches, as in the positive control above)."""
+    _not_interpreted(fake_platform)
+    off = {"_rms_norm_kernel", "_linear_fp32_kernel"}
+    monkeypatch.setenv("MTPSERVE_PDL_OFF_KERNELS", " _rms_norm_kernel, _linear_fp32_kernel,")
+    reload_settings()  # the code reads the environment once
+    assert settings().pdl_off_kernels == off
+    recorded: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(
+        InterpretedFunction, "run", lambda self, *a, **kw: recorded.append((self.fn.__name__, kw))
+    )
+    for _, triton_op, _, args in _cases():
+        triton_op(*args)
+    assert off <= {name for name, _ in recorded}
+    for name, kwargs in recorded:
+        if name in off:
+            assert "launch_pdl" not in kwargs and kwargs["USE_PDL"] is False, name
+        else:
+            assert kwargs.get("launch_pdl") is True and kwargs["USE_PDL"] is True, name
+    monkeypatch.delenv("MTPSERVE_PDL_OFF_KERNELS")
+    reload_settings()
