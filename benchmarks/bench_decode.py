@@ -283,9 +283,12 @@ def profile_step(
     bench: DecodeBench, batch: int = 1, context: int = 1024, tokens_per_seq: int = 1
 ) -> None:
     """The GPU kernels of one eager step, by total time: a decode step (against its graph
-    replay), or with `tokens_per_seq` > 1 one prefill chunk of that many tokens."""
+    replay), or with `tokens_per_seq` > 1 one prefill chunk of that many tokens. Without PDL:
+    a kernel launched early under PDL is timed from its launch, so its wait for the kernel
+    before it would count as its own time."""
     from torch.profiler import ProfilerActivity, profile
 
+    with_pdl(False)
     step = bench.eager_step(batch, context, tokens_per_seq)
     for _ in range(3):
         step()
@@ -298,11 +301,15 @@ def profile_step(
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events) / 5
     launches = sum(e.count for e in events) / 5
-    print(f"kernels per step {launches:.0f}, kernel time per step {total / 1e3:.3f} ms")
+    print(
+        f"kernels per step {launches:.0f}, kernel time per step {total / 1e3:.3f} ms (eager, "
+        "PDL off)"
+    )
     print(f"{'us/step':>9} {'share':>6} {'count':>6}  kernel")
     for e in events:
         us = e.device_time_total / 5
         print(f"{us:9.1f} {us / total * 100:5.1f}% {e.count / 5:6.0f}  {e.key[:110]}")
+    with_pdl(True)
     if tokens_per_seq == 1:
         graphs = bench.graphs(True, batch)
         print(f"graph replay {bench.graph_ms(graphs, batch, context, 1):.3f} ms/step")
