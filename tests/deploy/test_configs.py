@@ -96,3 +96,22 @@ def test_cluster_launcher_passes_ray_schema():
     assert gpu["resources"]["GPU"] >= 1 and 0 <= gpu["min_workers"] < gpu["max_workers"]
     assert node_types[config["head_node_type"]]["resources"].get("GPU", 0) == 0
     assert config["max_workers"] >= gpu["max_workers"]
+
+
+def test_cluster_configs_start_every_ray_worker_at_the_normal_priority():
+    """On a cluster Ray is started by `ray start` (the launcher's commands, KubeRay's pods), not
+    by `mtpserve serve`: each node's raylet gets RAY_worker_niceness=0 there, so Serve's
+    controller and proxies run at the normal priority as the app's replicas do."""
+    from deploy.app import ENGINE_PRIORITY_ENV
+
+    [(name, value)] = ENGINE_PRIORITY_ENV.items()
+    launcher = yaml.safe_load((DEPLOY_DIR / "cluster-launcher.yaml").read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        [start] = [c for c in launcher[key] if "ray start" in c]
+        assert f"{name}={value} " in start, key
+    manifest = yaml.safe_load((DEPLOY_DIR / "kuberay-rayservice.yaml").read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            assert {"name": name, "value": value} in container.get("env", []), container["name"]
