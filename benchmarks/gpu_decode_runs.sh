@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 17's GPU figures on the H200 machine, one part per call (each under the device's
+# 10-minute limit). Run from the repository root; GIT_COMMIT=<sha> names the tree where the
+# copy's .git is stale.
+#   bash benchmarks/gpu_decode_runs.sh tests    # the FP8 / fp32-linear kernels' and the engine's GPU tests
+#   bash benchmarks/gpu_decode_runs.sh decode   # bench_decode --fp8: prefill, b = 1 / 8 / 32, MTP rounds
+#   bash benchmarks/gpu_decode_runs.sh profile  # the kernels of a b = 1 and a b = 32 step (PDL off)
+#   bash benchmarks/gpu_decode_runs.sh pdl      # the b = 1 step with PDL off for one kernel at a time
+#   bash benchmarks/gpu_decode_runs.sh linears  # bench_linear_fp32 and bench_fp8_linear tables
+set -euo pipefail
+part=${1:-decode}
+export PYTHONPATH=$PWD
+case "$part" in
+  tests)
+    python3 -m pytest -q -m "gpu or not gpu" tests/kernels/test_linear_fp32.py \
+      tests/kernels/test_gpu_fp8_linear.py tests/workers/test_gpu_engine.py 2>&1 | tail -15 ;;
+  decode)
+    python3 benchmarks/bench_decode.py --fp8 --skip-transformers ;;
+  profile)
+    for batch in 1 32; do
+      python3 benchmarks/bench_decode.py --fp8 --skip-transformers --profile \
+        --profile-batch "$batch" 2>&1 | grep -v -i warn
+    done ;;
+  pdl)
+    python3 benchmarks/bench_decode.py --fp8 --skip-transformers --pdl-per-kernel ;;
+  linears)
+    python3 benchmarks/bench_linear_fp32.py --tokens 1 2 4 8 16 32
+    python3 benchmarks/bench_fp8_linear.py --tokens 1 8 32 ;;
+  *)
+    echo "unknown part $part (tests, decode, profile, pdl, linears)" >&2
+    exit 2 ;;
+esac
