@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 15's GPU figures on the H200 machine: the serving path against the offline engine
 # (bench_serve) and the TP executor's per-step overhead (bench_tp_step). Run from the repository
-# root with .raydev/raysite.tar.xz there (bash ../shared/gpu/ray-bundle.sh makes it). One part
+# root with .raydev/raysite.tar.xz there (Ray and its dependencies as site-packages, for a GPU host
+# without a package index; git-ignored). One part
 # per call keeps each under the device's 10-minute limit; a second argument "colocated" serves
 # ingress and engine as one deployment (AppArgs.colocate, what `mtpserve serve` deploys), "two"
 # as two deployments (ingress, model server); "-proxy" after either ("two-proxy",
