@@ -106,16 +106,20 @@ def graph_us(fn, reps: int | None = None, replays: int = 5) -> float:
 
 
 def w8a16_candidates(num_tokens: int) -> list[Fp8TileConfig]:
+    block_ns = (32, 64, 128)
     if num_tokens <= 16:
         block_ms, splits = (16,), (132, 264, 528, 1056)
     elif num_tokens <= 32:  # MTP verify rows and b=32 decode: a 32-row tile pads nothing
         block_ms, splits = (32, 64), (132, 264, 528, 1056)
+        # A tile re-reads the rows' activations from L2: at 32 bf16 rows as many bytes per k
+        # step as 64 FP8 weight columns, so wider tiles read fewer of them.
+        block_ns = (32, 64, 128, 256)
     else:
         block_ms, splits = (64,), (132, 264, 528) if num_tokens <= 128 else (1, 132)
     return [
         Fp8TileConfig(block_m, block_n, warps, stages, split)
         for block_m, block_n, (warps, stages), split in itertools.product(
-            block_ms, (32, 64, 128), W8A16_WARPS_STAGES, splits
+            block_ms, block_ns, W8A16_WARPS_STAGES, splits
         )
     ]
 
