@@ -224,3 +224,20 @@ def test_prefill_warm_up_runs_the_eager_path_with_graphs(worker):
     finally:
         runner.graphs = None
         runner.__dict__.pop("_graph_key", None)
+
+
+def test_worker_warms_the_fp32_linears_on_the_models_own_weight_shapes(worker, monkeypatch):
+    """The fp32 linears' variants specialize on the weight's sizes: the warm-up compiles them
+    for the router's and the indexer head weights' shapes (MTP layer included), not a dummy's."""
+    import workers.worker as worker_module
+
+    calls: list = []
+    monkeypatch.setattr(worker, "_warm_up_prefill", lambda *args: None)
+    monkeypatch.setattr(worker_module, "warm_up_eager_kernels", lambda *a: calls.append(a))
+    worker.warm_up(0, False)
+    [args] = calls
+    c = worker.config
+    assert c.n_routed_experts != c.index_n_heads  # two shapes to tell apart
+    assert args[-1] == sorted(
+        {(c.n_routed_experts, c.hidden_size), (c.index_n_heads, c.hidden_size)}
+    )
