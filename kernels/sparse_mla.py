@@ -89,6 +89,7 @@ _MLA_BLOCK_K = 32  # keys per step
 _MLA_BLOCK_H = 64  # heads per program: a key tile feeds 64 heads' MMAs
 _MLA_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _MLA_NUM_WARPS = 8
+_MERGE_TILE = 4096  # partials per merge program: splits x latent columns
 
 
 # Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
@@ -120,7 +121,6 @@ def _sparse_mla_split_kernel(
     block_tables_row_stride,
     topk_row_stride,
     num_topk,
-    keys_per_split,
     softmax_scale,
     NUM_HEADS: tl.constexpr,
     KV_LORA_RANK: tl.constexpr,
@@ -185,13 +185,13 @@ def _sparse_mla_split_kernel(
         bound = tl.minimum(tl.cdiv(num_used, BLOCK_K) * BLOCK_K, num_topk)
     else:
         bound = num_topk
-    start = split * keys_per_split
-    # A split wholly past them runs no step and leaves what an all -1 split leaves (max -1e30,
-    # sum 0, acc 0): the output is the same bits as reading them.
-    end = tl.minimum(start + keys_per_split, bound)
-    for k0 in range(start, end, BLOCK_K):
+    # The splits take the BLOCK_K tiles in turn (split s: tiles s, s + splits, ...), so a row
+    # whose used entries fill only part of it still spreads them over every split. A tile
+    # wholly past them runs no step and leaves what an all -1 tile leaves (max, sum and acc
+    # unchanged): the output is the same bits as reading them.
+    for k0 in range(split * BLOCK_K, bound, num_splits * BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
-        picks = tl.load(topk_ptr + token * topk_row_stride + slots, mask=slots < end, other=-1)
+        picks = tl.load(topk_ptr + token * topk_row_stride + slots, mask=slots < bound, other=-1)
         valid = picks >= 0
         blocks = tl.load(
             block_tables_ptr + seq * block_tables_row_stride + picks // BLOCK_SIZE_TOKENS,
@@ -286,7 +286,7 @@ def _sparse_mla_merge_kernel(
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_SPLITS)
     split_mask = splits < num_splits
-    lat = tl.arange(0, BLOCK_L)
+    lat = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     lat_mask = lat < KV_LORA_RANK
     rows = (token * num_splits + splits) * NUM_HEADS + head  # [BLOCK_SPLITS]
     if USE_PDL:
@@ -371,8 +371,6 @@ def sparse_mla_attention_triton(
     num_splits = min(
         max_splits, max(1, _MLA_TARGET_PROGRAMS // max(1, num_tokens * num_head_blocks))
     )
-    keys_per_split = triton.cdiv(triton.cdiv(num_topk, num_splits), _MLA_BLOCK_K) * _MLA_BLOCK_K
-    num_splits = max(1, triton.cdiv(num_topk, keys_per_split))
 
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=device)
     if num_tokens == 0:
@@ -411,7 +409,6 @@ def sparse_mla_attention_triton(
         block_tables.stride(0),
         topk_indices.stride(0),
         num_topk,
-        keys_per_split,
         softmax_scale,
         NUM_HEADS=num_heads,
         KV_LORA_RANK=kv_lora_rank,
@@ -435,9 +432,14 @@ def sparse_mla_attention_triton(
     )
     if direct:
         return out
+    # A program merges a BLOCK_L slice of one head's latent over every split: its tile of
+    # partials stays at 4096 fp32 (32 registers a thread), where a whole 512-wide row over 64
+    # splits (b = 1) spilled and took 25 us on the H200.
+    block_splits = triton.next_power_of_2(num_splits)
+    merge_block_l = max(16, min(block_l, _MERGE_TILE // block_splits))
     launch(
         _sparse_mla_merge_kernel,
-        (num_tokens, num_heads),
+        (num_tokens, num_heads, triton.cdiv(kv_lora_rank, merge_block_l)),
         q,
         partial_out,
         partial_max,
@@ -448,8 +450,8 @@ def sparse_mla_attention_triton(
         num_splits,
         NUM_HEADS=num_heads,
         KV_LORA_RANK=kv_lora_rank,
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
-        BLOCK_L=block_l,
+        BLOCK_SPLITS=block_splits,
+        BLOCK_L=merge_block_l,
         num_warps=4,
     )
     return out

@@ -108,3 +108,28 @@ def test_sparse_mla_reads_only_the_entries_a_tokens_position_allows(dtype, num_t
     # Without positions the garbage is read: the checks above can tell.
     unbounded = run(sparse_mla_attention_triton, past_tiles, None)
     assert not torch.allclose(unbounded.float(), expected.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_sparse_mla_at_deepseek_shapes_with_part_of_the_top_k_used(num_tokens) -> None:
+    """DeepSeek-V3.2's decode shapes (128 heads, 512 + 64 wide, top-2048) for tokens whose
+    context fills only part of the top-k: many splits over tiles taken in turn, and a merge
+    over several slices of the latent. The twin's value, and the same bits as without
+    positions."""
+    torch.manual_seed(num_tokens)
+    num_heads, kv_lora_rank, rope_dim, num_topk = 128, 512, 64, 2048
+    dtype = torch.bfloat16
+    width = kv_lora_rank + rope_dim
+    kv_cache = torch.randn(70, 64, width, dtype=dtype, device=DEVICE)
+    block_tables = torch.randperm(70)[:64].view(2, 32).to(torch.int32).to(DEVICE)
+    seq_idx = (torch.arange(num_tokens) % 2).to(torch.int32).to(DEVICE)
+    positions = torch.tensor([700, 1100, 2047][:num_tokens], dtype=torch.int64)
+    topk = torch.full((num_tokens, num_topk), -1, dtype=torch.int32)
+    for t, p in enumerate(positions.tolist()):
+        topk[t, : p + 1] = torch.randperm(p + 1).to(torch.int32)
+    topk, positions = topk.to(DEVICE), positions.to(DEVICE)
+    q = torch.randn(num_tokens, num_heads, width, dtype=dtype, device=DEVICE)
+    args = (q, kv_cache, block_tables, seq_idx, topk, width**-0.5, kv_lora_rank)
+    got = sparse_mla_attention_triton(*args, None, positions)
+    assert_close(got, sparse_mla_attention_reference(*args))
+    assert torch.equal(got, sparse_mla_attention_triton(*args))
