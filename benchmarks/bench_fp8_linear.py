@@ -110,10 +110,16 @@ def w8a16_candidates(num_tokens: int) -> list[Fp8TileConfig]:
     if num_tokens <= 16:
         block_ms, splits = (16,), (132, 264, 528, 1056)
     elif num_tokens <= 32:  # MTP verify rows and b=32 decode: a 32-row tile pads nothing
-        block_ms, splits = (32, 64), (132, 264, 528, 1056)
+        # 32-row tiles (64-row ones lost on every projection: BENCHMARKS.md, session 20), the
+        # UE8M0 scale on each k step's product or on each weight element.
         # A tile re-reads the rows' activations from L2: at 32 bf16 rows as many bytes per k
         # step as 64 FP8 weight columns, so wider tiles read fewer of them.
-        block_ns = (32, 64, 128, 256)
+        return [
+            Fp8TileConfig(32, block_n, warps, stages, split, scale_products)
+            for block_n, (warps, stages), split, scale_products in itertools.product(
+                (32, 64, 128, 256), W8A16_WARPS_STAGES, (264, 528, 1056), (False, True)
+            )
+        ]
     else:
         block_ms, splits = (64,), (132, 264, 528) if num_tokens <= 128 else (1, 132)
     return [
@@ -462,6 +468,9 @@ def _short(config) -> str:
     return (
         f"m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages} "
         f"split{config.split_target}"
+        + {None: "", True: " scaled products", False: " scaled weights"}[
+            getattr(config, "scale_products", None)
+        ]
     )
 
 

@@ -48,6 +48,9 @@ class Fp8TileConfig:
     # Programs to aim for: K is split (in 128-wide blocks; a tile's last split to finish sums
     # them in a fixed order, `store_split_k`) until tiles x splits reaches this; 1 never splits.
     split_target: int = 264
+    # With power-of-two scales, scale each k step's product rather than each weight element:
+    # None leaves it to the tile's rows (at most POW2_SCALES_MAX_BLOCK_M).
+    scale_products: bool | None = None
 
 
 # The first configs (tests use them as a decode-sized and a prefill-sized tile): decode (M <= 16)
@@ -374,6 +377,14 @@ def split_k(
     return -(-in_features // k_per_split), k_per_split
 
 
+def scales_products(config: Fp8TileConfig) -> bool:
+    """Whether a tile with power-of-two scales scales its k steps' products (else each weight
+    element)."""
+    if config.scale_products is not None:
+        return config.scale_products
+    return config.block_m <= POW2_SCALES_MAX_BLOCK_M
+
+
 def fp8_linear_triton(
     x: torch.Tensor,  # [T, in_features]
     weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
@@ -444,7 +455,7 @@ def fp8_linear_triton(
         BLOCK_K=FP8_BLOCK,
         SPLIT_K=num_splits > 1,
         UPCAST_DOT=dot_in_fp32(x.dtype),
-        POW2_SCALES=pow2_scales and config.block_m <= POW2_SCALES_MAX_BLOCK_M,
+        POW2_SCALES=pow2_scales and scales_products(config),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -120,6 +120,9 @@ def test_pow2_grouped_moe_matches_the_twin(
         (5, 130, 7168, DECODE_LINEAR),  # many splits
         (3, 256, 384, Fp8TileConfig(16, 64, 4, 2, split_target=1)),  # one split
         (70, 200, 260, PREFILL_LINEAR),  # a tall tile: the per-element path
+        # 32-row tiles, the scale forced onto the products and onto the elements
+        (32, 200, 1000, Fp8TileConfig(32, 64, 4, 3, split_target=16, scale_products=True)),
+        (29, 200, 1000, Fp8TileConfig(32, 64, 4, 3, split_target=16, scale_products=False)),
     ],
 )
 def test_pow2_fp8_linear_matches_the_twin(
