@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import os
 import subprocess
 import sys
@@ -252,31 +253,47 @@ def decode_chain(num_layers: int, batch: int, context: int, experts):
 
 
 def sweep_sparse_mla(experts, emit) -> None:
+    """Decode tiles of the split kernel at batch 32: context 8192 (every top-2048 entry used)
+    and 1024 (each row's first 1024 entries, given positions, as the engine calls it)."""
     from kernels import sparse_mla
 
+    names = ("_MLA_BLOCK_H", "_MLA_BLOCK_K", "_MLA_NUM_WARPS", "_MLA_NUM_STAGES")
+    saved = tuple(getattr(sparse_mla, n) for n in names)
+    _, full, _ = [c for c in kernel_cases(32, 8192, experts) if c[0].startswith("sparse")][0]
+    kv_cache, tables = paged(32, 1024, KV_LORA + ROPE)
+    positions = torch.full((32,), 1023, device=CUDA)
+    topk = torch.full((32, INDEX_TOPK), -1, dtype=torch.int32, device=CUDA)
+    topk[:, :1024] = torch.stack([torch.randperm(1024, device=CUDA) for _ in range(32)])
+    q = torch.randn(32, NUM_HEADS, KV_LORA + ROPE, dtype=BF16, device=CUDA)
+    seq_idx = torch.arange(32, device=CUDA, dtype=torch.int32)
+    short = functools.partial(
+        sparse_mla_attention_triton,
+        q,
+        kv_cache,
+        tables,
+        seq_idx,
+        topk,
+        192**-0.5,
+        KV_LORA,
+        None,
+        positions,
+    )
     emit()
-    emit("sparse-MLA tiles (batch 32, context 8192, PDL on): BLOCK_H, BLOCK_K, warps -> us")
-    saved = (sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS)
-    name, fn, nbytes = [c for c in kernel_cases(32, 8192, experts) if c[0].startswith("sparse")][0]
-    for block_h, block_k, warps in (
-        (32, 32, 8),
-        (16, 32, 4),
-        (16, 64, 4),
-        (32, 64, 8),
-        (64, 32, 8),
-        (64, 16, 8),
-    ):
-        sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS = (
-            block_h,
-            block_k,
-            warps,
-        )
+    with_pdl(True)
+    emit("sparse-MLA tiles, batch 32 (graph replays, PDL on), us:")
+    emit("| BLOCK_H | BLOCK_K | warps | stages | context 8192 | context 1024 |")
+    emit("|---|---|---|---|---|---|")
+    tiles = ((64, 32, 8), (64, 16, 8), (32, 32, 8), (32, 64, 8), (32, 32, 4), (16, 32, 4))
+    for (block_h, block_k, warps), stages in itertools.product(tiles, (1, 2, 3)):
+        for name, value in zip(names, (block_h, block_k, warps, stages), strict=True):
+            setattr(sparse_mla, name, value)
         try:
-            us = graph_time_us(fn)
-            emit(f"- {block_h}, {block_k}, {warps}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
-        except Exception as error:
-            emit(f"- {block_h}, {block_k}, {warps}: failed ({type(error).__name__})")
-    sparse_mla._MLA_BLOCK_H, sparse_mla._MLA_BLOCK_K, sparse_mla._MLA_NUM_WARPS = saved
+            times = [f"{graph_time_us(fn):.1f}" for fn in (full, short)]
+        except Exception as error:  # OutOfResources and friends: not this config
+            times = [f"failed ({type(error).__name__})"] * 2
+        emit(f"| {block_h} | {block_k} | {warps} | {stages} | {times[0]} | {times[1]} |")
+    for name, value in zip(names, saved, strict=True):
+        setattr(sparse_mla, name, value)
 
 
 def mla_used_entries_table(emit) -> None:
@@ -377,7 +394,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the Markdown here")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--commit", default=None, help="git commit (the device copy has no .git)")
-    parser.add_argument("--sweep-mla", action="store_true", help="time sparse-MLA tile configs")
+    parser.add_argument(
+        "--sweep-mla", action="store_true", help="only a sweep of sparse-MLA decode tile configs"
+    )
     parser.add_argument("--select", action="store_true", help="only the long-context top-k table")
     parser.add_argument(
         "--mla-used",
@@ -423,6 +442,9 @@ def kernel_tables(args, emit, copy: float) -> None:
     emit()
     w13 = torch.randn(NUM_EXPERTS, 2 * MOE_INTER, HIDDEN, dtype=BF16, device=CUDA) * 0.02
     w2 = torch.randn(NUM_EXPERTS, HIDDEN, MOE_INTER, dtype=BF16, device=CUDA) * 0.02
+    if args.sweep_mla:  # the sweep alone
+        sweep_sparse_mla((w13, w2), emit)
+        return
     emit("bf16 MMA rate for compute-bound rows: 8192^3 matmul " + f"{mma_tflops():.0f} TFLOP/s")
     emit()
     emit(
@@ -453,8 +475,6 @@ def kernel_tables(args, emit, copy: float) -> None:
                     f"| {name} | {batch} | {context} | {nbytes / 1e6:.2f} | {times[False]:.1f} "
                     f"| {times[True]:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% |"
                 )
-    if args.sweep_mla:
-        sweep_sparse_mla((w13, w2), emit)
     emit()
     emit(f"Decode-step chain, {args.layers} layers of these kernels (8 launches+ per layer):")
     emit(

@@ -89,6 +89,7 @@ _MLA_BLOCK_K = 32  # keys per step
 _MLA_BLOCK_H = 64  # heads per program: a key tile feeds 64 heads' MMAs
 _MLA_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _MLA_NUM_WARPS = 8
+_MLA_NUM_STAGES = 2
 _MERGE_TILE = 4096  # partials per merge program: splits x latent columns
 
 
@@ -428,7 +429,7 @@ def sparse_mla_attention_triton(
         DIRECT_OUT=direct,
         HAS_POSITIONS=positions is not None,
         num_warps=_MLA_NUM_WARPS,
-        num_stages=2,
+        num_stages=_MLA_NUM_STAGES,
     )
     if direct:
         return out
