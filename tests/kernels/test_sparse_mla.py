@@ -133,3 +133,18 @@ def test_sparse_mla_at_deepseek_shapes_with_part_of_the_top_k_used(num_tokens) -
     got = sparse_mla_attention_triton(*args, None, positions)
     assert_close(got, sparse_mla_attention_reference(*args))
     assert torch.equal(got, sparse_mla_attention_triton(*args))
+
+
+def test_sparse_mla_merge_over_latent_slices_with_a_partial_last_one() -> None:
+    """One token over a 700-wide top-k: 22 splits, merged in slices of 128 latent columns of a
+    200-wide latent (the last slice 72 wide): the twin's value."""
+    torch.manual_seed(5)
+    num_heads, kv_lora_rank, rope_dim, num_topk = 3, 200, 16, 700
+    width = kv_lora_rank + rope_dim
+    kv_cache = torch.randn(14, 64, width, dtype=torch.float32, device=DEVICE)
+    block_tables = torch.randperm(14)[:12].view(1, 12).to(torch.int32).to(DEVICE)
+    seq_idx = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    topk = torch.randperm(768)[:num_topk].view(1, -1).to(torch.int32).to(DEVICE)
+    q = torch.randn(1, num_heads, width, dtype=torch.float32, device=DEVICE)
+    args = (q, kv_cache, block_tables, seq_idx, topk, width**-0.5, kv_lora_rank)
+    assert_close(sparse_mla_attention_triton(*args), sparse_mla_attention_reference(*args))
