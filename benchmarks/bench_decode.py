@@ -163,10 +163,9 @@ class DecodeBench:
         return ids, positions, slots, tables
 
     def graph_ms(self, graphs: DecodeGraphs, batch: int, context: int, q: int, reps=20) -> float:
-        """GPU time per step of the decode graph: the one copy of its packed inputs, the replay.
-        The median of 5 windows of `reps` steps, after replays for 0.2 s: the first window
-        after a capture or an idle spell ran 5-15% slow on the H200 (clocks ramping), which
-        made whichever configuration a table measured first look slow."""
+        """GPU time per step of the decode graph: the one copy of its packed inputs, the replay
+        (`warmed_median` of windows of `reps` steps: measured first, a configuration looked
+        slow)."""
         ids, _, _, tables = self.inputs(batch, context, q)
         ids, tables = ids.view(batch, q).tolist(), tables.tolist()
         seqs = [SeqWork(f"r{b}", ids[b], context, tables[b], q - 1, True) for b in range(batch)]
@@ -178,20 +177,16 @@ class DecodeBench:
             graphs.load(host, batch, q)
             graphs.replay(batch, q)
 
-        warm_until = time.perf_counter() + 0.2
-        while time.perf_counter() < warm_until:
-            step()
-            torch.cuda.synchronize()
-        windows = []
-        for _ in range(5):
+        def window() -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(reps):
                 step()
             end.record()
             torch.cuda.synchronize()
-            windows.append(start.elapsed_time(end) / reps)
-        return statistics.median(windows)
+            return start.elapsed_time(end) / reps
+
+        return warmed_median(window)
 
     def eager_step(self, batch: int, context: int, tokens_per_seq: int):
         """One eager forward of `tokens_per_seq` new tokens for each of `batch` sequences after
@@ -220,20 +215,33 @@ class DecodeBench:
         return DecodeGraphs(self.model, max_batch, self.max_blocks, CUDA)
 
     def round_ms(self, batch: int, context: int, k: int, share: bool, reps: int = 5) -> float:
-        """A whole MTP round through the runner: verify 1 + k, draft step 0, steps 1..k-1."""
+        """A whole MTP round through the runner: verify 1 + k, draft step 0, steps 1..k-1
+        (`warmed_median` of windows of `reps` rounds, host time included)."""
         tables = self.inputs(batch, context, k + 1)[3].cpu().tolist()
         seqs = [
             SeqWork(f"r{b}", [5] + [7] * k, context, tables[b], k, True, SamplingSpec())
             for b in range(batch)
         ]
         step = StepInput(seqs, k, share)
-        self.runner.execute(step)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(reps):
-            self.runner.execute(step)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3 / reps
+
+        def window() -> float:
+            start = time.perf_counter()
+            for _ in range(reps):
+                self.runner.execute(step)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) * 1e3 / reps
+
+        return warmed_median(window)
+
+
+def warmed_median(window, warm_s: float = 0.2, windows: int = 5) -> float:
+    """The median of `windows` calls of `window` (each times a window of steps, in ms a step)
+    after `window` has run for `warm_s`: the first window after a capture or an idle spell ran
+    5-15% slow on the H200 (clocks ramping; BENCHMARKS.md, session 21)."""
+    warm_until = time.perf_counter() + warm_s
+    while time.perf_counter() < warm_until:
+        window()
+    return statistics.median(window() for _ in range(windows))
 
 
 def eager_ms(step, reps: int) -> float:
