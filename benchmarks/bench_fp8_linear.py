@@ -468,9 +468,7 @@ def _short(config) -> str:
     return (
         f"m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages} "
         f"split{config.split_target}"
-        + {None: "", True: " scaled products", False: " scaled weights"}[
-            getattr(config, "scale_products", None)
-        ]
+        + {None: "", True: " scaled products", False: " scaled weights"}[config.scale_products]
     )
 
 

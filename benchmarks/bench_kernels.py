@@ -252,32 +252,17 @@ def decode_chain(num_layers: int, batch: int, context: int, experts):
     return step
 
 
-def sweep_sparse_mla(experts, emit) -> None:
-    """Decode tiles of the split kernel at batch 32: context 8192 (every top-2048 entry used)
-    and 1024 (each row's first 1024 entries, given positions, as the engine calls it)."""
+def sweep_sparse_mla(emit) -> None:
+    """Decode tiles of the split kernel at batch 32, as the engine calls it (positions, rows of
+    the picks then -1): context 8192 (every top-2048 entry used) and 1024 (half of them)."""
     from kernels import sparse_mla
 
     names = ("_MLA_BLOCK_H", "_MLA_BLOCK_K", "_MLA_NUM_WARPS", "_MLA_NUM_STAGES")
     saved = tuple(getattr(sparse_mla, n) for n in names)
-    _, full, _ = [c for c in kernel_cases(32, 8192, experts) if c[0].startswith("sparse")][0]
-    kv_cache, tables = paged(32, 1024, KV_LORA + ROPE)
-    positions = torch.full((32,), 1023, device=CUDA)
-    topk = torch.full((32, INDEX_TOPK), -1, dtype=torch.int32, device=CUDA)
-    topk[:, :1024] = torch.stack([torch.randperm(1024, device=CUDA) for _ in range(32)])
-    q = torch.randn(32, NUM_HEADS, KV_LORA + ROPE, dtype=BF16, device=CUDA)
-    seq_idx = torch.arange(32, device=CUDA, dtype=torch.int32)
-    short = functools.partial(
-        sparse_mla_attention_triton,
-        q,
-        kv_cache,
-        tables,
-        seq_idx,
-        topk,
-        192**-0.5,
-        KV_LORA,
-        None,
-        positions,
-    )
+    cases = []
+    for context in (8192, 1024):
+        args, positions = sparse_mla_rows(False, 32, context)
+        cases.append(functools.partial(sparse_mla_attention_triton, *args, positions))
     emit()
     with_pdl(True)
     emit("sparse-MLA tiles, batch 32 (graph replays, PDL on), us:")
@@ -288,12 +273,34 @@ def sweep_sparse_mla(experts, emit) -> None:
         for name, value in zip(names, (block_h, block_k, warps, stages), strict=True):
             setattr(sparse_mla, name, value)
         try:
-            times = [f"{graph_time_us(fn):.1f}" for fn in (full, short)]
+            times = [f"{graph_time_us(fn):.1f}" for fn in cases]
         except Exception as error:  # OutOfResources and friends: not this config
             times = [f"failed ({type(error).__name__})"] * 2
         emit(f"| {block_h} | {block_k} | {warps} | {stages} | {times[0]} | {times[1]} |")
     for name, value in zip(names, saved, strict=True):
         setattr(sparse_mla, name, value)
+
+
+def sparse_mla_rows(prefill: bool, tokens: int, context: int):
+    """-> (sparse_mla_attention_triton's arguments without positions, positions): `tokens`
+    rows as the indexer makes them (a token at p has min(2048, p + 1) picks, then -1) of a
+    prefill chunk of one sequence after `context` cached tokens, or of `tokens` decoding
+    sequences at `context`."""
+    num_seqs = 1 if prefill else tokens
+    length = context + tokens if prefill else context
+    kv_cache, tables = paged(num_seqs, max(BLOCK, -(-length // BLOCK) * BLOCK), KV_LORA + ROPE)
+    if prefill:
+        seq_idx = torch.zeros(tokens, device=CUDA, dtype=torch.int32)
+        positions = torch.arange(context, context + tokens, device=CUDA)
+    else:
+        seq_idx = torch.arange(tokens, device=CUDA, dtype=torch.int32)
+        positions = torch.full((tokens,), context - 1, device=CUDA)
+    ranks = torch.arange(INDEX_TOPK, device=CUDA)[None, :]
+    picks = torch.randint(0, 2**30, (tokens, INDEX_TOPK), device=CUDA) % (positions[:, None] + 1)
+    topk = torch.where(ranks <= positions[:, None], picks, -1).to(torch.int32)
+    q = torch.randn(tokens, NUM_HEADS, KV_LORA, dtype=BF16, device=CUDA)
+    q_rope = torch.randn(tokens, NUM_HEADS, ROPE, dtype=BF16, device=CUDA)
+    return (q, kv_cache, tables, seq_idx, topk, 192**-0.5, KV_LORA, q_rope), positions
 
 
 def mla_used_entries_table(emit) -> None:
@@ -311,24 +318,7 @@ def mla_used_entries_table(emit) -> None:
     cases = [("prefill chunk", 2048, 0), ("prefill chunk", 2048, 8192)]
     cases += [("decode", batch, context) for context in (1024, 8192) for batch in (1, 32)]
     for name, tokens, context in cases:
-        prefill = name.startswith("prefill")
-        num_seqs = 1 if prefill else tokens
-        length = context + tokens if prefill else context
-        kv_cache, tables = paged(num_seqs, max(BLOCK, -(-length // BLOCK) * BLOCK), KV_LORA + ROPE)
-        if prefill:
-            seq_idx = torch.zeros(tokens, device=CUDA, dtype=torch.int32)
-            positions = torch.arange(context, context + tokens, device=CUDA)
-        else:
-            seq_idx = torch.arange(tokens, device=CUDA, dtype=torch.int32)
-            positions = torch.full((tokens,), context - 1, device=CUDA)
-        ranks = torch.arange(INDEX_TOPK, device=CUDA)[None, :]
-        picks = torch.randint(0, 2**30, (tokens, INDEX_TOPK), device=CUDA) % (
-            positions[:, None] + 1
-        )
-        topk = torch.where(ranks <= positions[:, None], picks, -1).to(torch.int32)
-        q = torch.randn(tokens, NUM_HEADS, KV_LORA, dtype=BF16, device=CUDA)
-        q_rope = torch.randn(tokens, NUM_HEADS, ROPE, dtype=BF16, device=CUDA)
-        args = (q, kv_cache, tables, seq_idx, topk, 192**-0.5, KV_LORA, q_rope)
+        args, positions = sparse_mla_rows(name.startswith("prefill"), tokens, context)
         calls = (
             functools.partial(sparse_mla_attention_triton, *args),
             functools.partial(sparse_mla_attention_triton, *args, positions),
@@ -431,6 +421,8 @@ def main() -> None:
         select_table(emit)
     elif args.mla_used:
         mla_used_entries_table(emit)
+    elif args.sweep_mla:
+        sweep_sparse_mla(emit)
     else:
         kernel_tables(args, emit, copy)
     if args.out:
@@ -442,9 +434,6 @@ def kernel_tables(args, emit, copy: float) -> None:
     emit()
     w13 = torch.randn(NUM_EXPERTS, 2 * MOE_INTER, HIDDEN, dtype=BF16, device=CUDA) * 0.02
     w2 = torch.randn(NUM_EXPERTS, HIDDEN, MOE_INTER, dtype=BF16, device=CUDA) * 0.02
-    if args.sweep_mla:  # the sweep alone
-        sweep_sparse_mla((w13, w2), emit)
-        return
     emit("bf16 MMA rate for compute-bound rows: 8192^3 matmul " + f"{mma_tflops():.0f} TFLOP/s")
     emit()
     emit(

@@ -377,7 +377,7 @@ def split_k(
     return -(-in_features // k_per_split), k_per_split
 
 
-def scales_products(config: Fp8TileConfig) -> bool:
+def scale_on_products(config: Fp8TileConfig) -> bool:
     """Whether a tile with power-of-two scales scales its k steps' products (else each weight
     element)."""
     if config.scale_products is not None:
@@ -455,7 +455,7 @@ def fp8_linear_triton(
         BLOCK_K=FP8_BLOCK,
         SPLIT_K=num_splits > 1,
         UPCAST_DOT=dot_in_fp32(x.dtype),
-        POW2_SCALES=pow2_scales and scales_products(config),
+        POW2_SCALES=pow2_scales and scale_on_products(config),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
