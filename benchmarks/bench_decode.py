@@ -233,6 +233,54 @@ class DecodeBench:
 
         return warmed_median(window)
 
+    def decode_steps_ms(self, batch: int, context: int, overlap: bool, reps: int = 20) -> float:
+        """Consecutive greedy decode steps through the runner, each fed the tokens the one
+        before it sampled, as the engine feeds them (`warmed_median` of windows of `reps`
+        steps, wall clock, host work included); with `overlap` the runner launches each next
+        step before reading this one's tokens (`EngineConfig.overlap_steps`)."""
+        room = 512  # positions past `context` the tables hold; then the sequences start over
+        tables = self.inputs(batch, context, room)[3].cpu().tolist()
+        self.runner.overlap = overlap
+        state = {"run": 0, "position": context, "tokens": [5] * batch, "sent": False}
+
+        def step() -> None:
+            if state["position"] >= context + room - 1:  # start over as new requests
+                old = [f"d{state['run']}-{b}" for b in range(batch)]
+                self.runner.execute(StepInput([], finished_request_ids=old))
+                state.update(run=state["run"] + 1, position=context, sent=False)
+            seqs = [
+                SeqWork(
+                    f"d{state['run']}-{b}",
+                    [state["tokens"][b]],
+                    state["position"],
+                    [] if state["sent"] else tables[b],
+                    0,
+                    True,
+                    SamplingSpec(),
+                    block_table_start=len(tables[b]) if state["sent"] else 0,
+                )
+                for b in range(batch)
+            ]
+            output = self.runner.execute(StepInput(seqs))
+            state["tokens"] = [r.sampled_token_ids[-1] for r in output.results]
+            state["position"] += 1
+            state["sent"] = True
+
+        def window() -> float:
+            start = time.perf_counter()
+            for _ in range(reps):
+                step()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) * 1e3 / reps
+
+        try:
+            return warmed_median(window)
+        finally:
+            self.runner.execute(
+                StepInput([], finished_request_ids=[f"d{state['run']}-{b}" for b in range(batch)])
+            )
+            self.runner.overlap = False
+
 
 def warmed_median(window, warm_s: float = 0.2, windows: int = 5) -> float:
     """The median of `windows` calls of `window` (each times a window of steps, in ms a step)
@@ -615,6 +663,18 @@ def run_single(args, emit, bw: float) -> None:
 
     plain = bench.round_ms(1, 1024, 0, False)  # k = 0: one graph replay plus host work
     emit(f"\nengine step without MTP (b=1, 1k, whole runner step): {plain:.2f} ms")
+    # Consecutive decode steps through the runner against the graph replay they wrap (issue
+    # 15's 1.05x), with and without the next step launched ahead.
+    emit("\n| batch | context | graph step ms | runner step ms | x | overlapped ms | x |")
+    emit("|---|---|---|---|---|---|---|")
+    for batch in (1, 8, 32):
+        graph = bench.graph_ms(graphs[True], batch, 1024, 1)
+        serial = bench.decode_steps_ms(batch, 1024, overlap=False)
+        overlapped = bench.decode_steps_ms(batch, 1024, overlap=True)
+        emit(
+            f"| {batch} | 1024 | {graph:.3f} | {serial:.3f} | {serial / graph:.3f} "
+            f"| {overlapped:.3f} | {overlapped / graph:.3f} |"
+        )
 
     os.environ["MTPSERVE_FORCE_REFERENCE"] = "1"
     reload_settings()

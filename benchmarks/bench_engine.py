@@ -1,4 +1,5 @@
-"""Engine tokens/s with MTP off and on (k = 1..3, top-k sharing off/on), greedy.
+"""Engine tokens/s with MTP off (steps overlapping or not: `EngineConfig.overlap_steps`) and on
+(k = 1..3, top-k sharing off/on), greedy.
 
     python benchmarks/bench_engine.py [--model DIR] [--device cpu|cuda] [--num-prompts 16]
 
@@ -30,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model or (default_model_path() if args.default_model else tiny_model_path())
 
-    llm0 = LLM(model, device=args.device)
+    llm0 = LLM(model, device=args.device, num_draft_tokens=0, overlap_steps="off")
     vocab = llm0.engine.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -42,12 +43,20 @@ def main() -> None:
         f"model={model} device={args.device} prompts={args.num_prompts}x{args.prompt_len} "
         f"max_tokens={args.max_tokens}"
     )
-    print(f"{'k':>2} {'share':>5} {'tok/s':>9} {'tokens/round':>13} {'acceptance':>22} {'same':>5}")
+    print(
+        f"{'k':>2} {'share':>5} {'overlap':>7} {'tok/s':>9} {'tokens/round':>13} "
+        f"{'acceptance':>22} {'same':>5}"
+    )
     reference = None
-    for k, share in [(0, False), (1, False), (2, False), (3, False), (3, True)]:
-        llm = (
-            llm0 if k == 0 else LLM(model, device=args.device, num_draft_tokens=k, share_topk=share)
-        )
+    runs = [(0, False, "off"), (0, False, "on")]
+    runs += [(1, False, "-"), (2, False, "-"), (3, False, "-"), (3, True, "-")]
+    for k, share, overlap in runs:
+        if k == 0 and overlap == "off":
+            llm = llm0
+        elif k == 0:
+            llm = LLM(model, device=args.device, num_draft_tokens=0, overlap_steps=overlap)
+        else:
+            llm = LLM(model, device=args.device, num_draft_tokens=k, share_topk=share)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -57,7 +66,7 @@ def main() -> None:
         stats = llm.stats()
         acc = ",".join(f"{a:.2f}" for a in stats.acceptance_per_position) or "-"
         print(
-            f"{k:>2} {str(share):>5} {sum(map(len, tokens)) / elapsed:>9.1f} "
+            f"{k:>2} {str(share):>5} {overlap:>7} {sum(map(len, tokens)) / elapsed:>9.1f} "
             f"{stats.mean_tokens_per_round:>13.2f} {acc:>22} {str(tokens == reference):>5}"
         )
 

@@ -1,6 +1,7 @@
 """Tokens/s and latency of the offline engine and of the real Serve HTTP path, in one run.
 
     python benchmarks/bench_serve.py [--model DIR | --default-model] [--tp 1] [--num-draft-tokens 0]
+        [--overlap-steps auto|on|off]
         [--concurrency 1,8,32,128] [--max-tokens 128] [--prompt-len 32] [--rounds 2]
         [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--no-colocate]
         [--repeat 1] [--[no-]interleave] [--executor MODULE:CLASS] [--json PATH]
@@ -640,6 +641,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--default-model", action="store_true", help="the shipped default model")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--num-draft-tokens", type=int, default=0)
+    ap.add_argument(
+        "--overlap-steps",
+        default=None,
+        choices=["auto", "on", "off"],
+        help="EngineConfig.overlap_steps for both engines (default: the engine's)",
+    )
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--concurrency", default="1,8,32,128", help="comma-separated levels")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -729,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_queued_requests": max(256, 2 * max(levels)),
         "actor_num_cpus": args.actor_num_cpus,
         **({"executor": args.executor} if args.executor else {}),
+        **({"overlap_steps": args.overlap_steps} if args.overlap_steps else {}),
     }
     print(
         f"bench_serve: model={model} tp={args.tp} k={args.num_draft_tokens} "

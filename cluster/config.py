@@ -44,11 +44,18 @@ class ConfigError(ValueError):
     """Options that cannot serve this checkpoint (or at all); the CLI prints it and exits 2."""
 
 
-def lookahead_slots(num_draft_tokens: int) -> int:
+OVERLAP_STEPS = ("auto", "on", "off")
+
+
+def lookahead_slots(num_draft_tokens: int, overlap_steps: str = "off") -> int:
     """KV slots a sequence may own past `max_model_len`: a step that samples also owns the
     `k - 1` slots that MTP draft steps 1..k-1 write (the positions of the drafts they feed
-    back), and `update()` rolls them back with rejected drafts. The scheduler, the engine's
-    fit of the context and the workers' block tables all use this."""
+    back), and `update()` rolls them back with rejected drafts; without MTP, where steps may
+    overlap (`EngineConfig.overlap_steps`), the one slot the next decode, launched before this
+    step's token is known, writes. The scheduler, the engine's fit of the context and the
+    workers' block tables all use this."""
+    if num_draft_tokens == 0 and overlap_steps != "off":
+        return 1
     return max(0, num_draft_tokens - 1)
 
 
@@ -83,6 +90,11 @@ class EngineConfig:
     # the RoPE part kept in the model's dtype (FlashMLA's V3.2 format, workers.kv_cache)
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # Without MTP, a rank launches the next step's greedy decodes before this step's tokens are
+    # read, so the GPU runs while the engine does its bookkeeping (workers.model_runner._Ahead).
+    # "auto": on CUDA ranks; "on": on CPU too (no gain there: CPU work is not asynchronous);
+    # "off": never.
+    overlap_steps: str = "auto"
     cpu_threads: int | None = None  # torch intra-op threads per worker; None: half the cores
     # Only TP rank 0 runs the indexers and broadcasts top-k over the TP group (None: on when
     # tp_size > 1). Off: every rank runs the indexer on its own copy of the inputs.
@@ -102,6 +114,10 @@ class EngineConfig:
             raise ConfigError(f"num_draft_tokens must be in 0..{MAX_NUM_DRAFT_TOKENS}, got {k}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.overlap_steps not in OVERLAP_STEPS:
+            raise ConfigError(
+                f"overlap_steps {self.overlap_steps!r} is not one of {list(OVERLAP_STEPS)}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}"
@@ -167,7 +183,7 @@ class EngineConfig:
     def max_seq_slots(self) -> int:
         """KV slots one sequence may own: its context plus the MTP lookahead (resolved only)."""
         assert self.is_resolved, "resolve_config first"
-        return self.max_model_len + lookahead_slots(self.num_draft_tokens)
+        return self.max_model_len + lookahead_slots(self.num_draft_tokens, self.overlap_steps)
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -252,7 +268,7 @@ def resolve_config(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig
 def fit_context(requested: EngineConfig, resolved: EngineConfig, capacity_tokens: int) -> int:
     """The context served, given that the KV pool holds `capacity_tokens`: the resolved one if
     one sequence of it (plus lookahead) fits, else as much as fits. Logs the choice and why."""
-    lookahead = lookahead_slots(resolved.num_draft_tokens)
+    lookahead = lookahead_slots(resolved.num_draft_tokens, resolved.overlap_steps)
     wanted = resolved.max_model_len
     if wanted + lookahead <= capacity_tokens:
         if requested.max_model_len is None:
@@ -270,7 +286,7 @@ def fit_context(requested: EngineConfig, resolved: EngineConfig, capacity_tokens
     source = "asked for" if requested.max_model_len else "the checkpoint's whole context"
     (logger.warning if requested.max_model_len else logger.info)(
         "context: %d tokens, not the %d %s: the KV pool holds %d tokens (%d blocks of %d; "
-        "num_kv_blocks / gpu_memory_utilization size it), %d of them the MTP lookahead",
+        "num_kv_blocks / gpu_memory_utilization size it), %d of them the lookahead",
         fitted,
         wanted,
         source,

@@ -121,6 +121,11 @@ class LLMEngine:
                 )
             resolved = resolved.replace(num_draft_tokens=0)
         num_drafts = resolved.num_draft_tokens
+        # "auto" settled by the ranks' device: a request owns the slot of a decode launched
+        # ahead only where one is.
+        resolved = resolved.replace(
+            overlap_steps="on" if self.executor.overlaps_steps and not num_drafts else "off"
+        )
         # Before the engine exists for anyone: the first request must not pay for compilation.
         self.warm_up = self.executor.warm_up(num_drafts, config.share_topk)
         num_blocks = self.executor.num_kv_blocks
@@ -146,6 +151,7 @@ class LLMEngine:
                 block_size_tokens=config.block_size_tokens,
                 num_blocks=num_blocks,
                 max_model_len=max_model_len,
+                overlap_steps=resolved.overlap_steps,
             ),
             block_manager,
             tokenizer=self.tokenizer,

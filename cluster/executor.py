@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 class Executor(abc.ABC):
     num_kv_blocks: int
     has_mtp: bool
+    # Whether the ranks launch the next step's decodes ahead (EngineConfig.overlap_steps, as
+    # their device settled "auto"): the scheduler then keeps each request's lookahead slot.
+    overlaps_steps: bool = False
 
     @abc.abstractmethod
     def execute(self, step: StepInput) -> StepOutput:
@@ -59,6 +62,7 @@ def worker_spec(config: EngineConfig):
         max_num_seqs=config.max_num_seqs,
         indexer_numerics=config.indexer_numerics,
         kv_cache_dtype=config.kv_cache_dtype,
+        overlap_steps=config.overlap_steps,
     )
 
 
@@ -81,6 +85,7 @@ class InProcessExecutor(Executor):
         self.worker = Worker.from_spec(worker_spec(config))
         self.num_kv_blocks = self.worker.num_kv_blocks
         self.has_mtp = self.worker.has_mtp
+        self.overlaps_steps = self.worker.runner.overlap
 
     def execute(self, step: StepInput) -> StepOutput:
         try:

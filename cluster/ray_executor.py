@@ -97,6 +97,9 @@ class RayExecutor(Executor):
         device = config.device if config.device != "auto" else ("cuda" if num_gpus else "cpu")
         pg, first_bundle = self._placement_group(ray, placement_group, num_gpus)
         spec = dataclasses.replace(worker_spec(config), device=device)
+        self.overlaps_steps = spec.overlap_steps == "on" or (
+            spec.overlap_steps == "auto" and device == "cuda"
+        )
         actor_cls = ray.remote(WorkerActor)
         try:
             for rank in range(config.tp_size):

@@ -18,7 +18,9 @@ drafts dropped, back to the front of the waiting queue; it later prefills prompt
 
 A step that samples also owns `k - 1` lookahead slots past its last token: MTP draft steps
 1..k-1 write the MTP layer's caches there. `update()` rolls them back with rejected drafts, so
-between steps a request owns exactly the blocks of its computed KV.
+between steps a request owns exactly the blocks of its computed KV. Without MTP, where steps
+overlap (`EngineConfig.overlap_steps`), it owns one slot more, kept between steps: the next
+decode's, which a rank launches before this step's token is read.
 
 Progress guarantee: the config requires one request of `max_model_len` tokens (plus lookahead)
 to fit in the pool and (without chunked prefill) in one step's budget, so the oldest running
@@ -58,6 +60,9 @@ class SchedulerConfig:
     num_draft_tokens: int = 0  # k; 0 = MTP off
     block_size_tokens: int = EngineConfig.default("block_size_tokens")
     enable_chunked_prefill: bool = True
+    # As the engine's (EngineConfig.overlap_steps): whether requests own the lookahead slot of
+    # a decode launched ahead. Off here: a scheduler alone has no ranks.
+    overlap_steps: str = "off"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -136,13 +141,15 @@ class Scheduler:
         )
         if self.block_manager.block_size_tokens != config.block_size_tokens:
             raise ValueError("block manager and config disagree on block_size_tokens")
-        # The largest step of one request: a max_model_len prefill plus the MTP lookahead.
-        max_request_slots = config.max_model_len + lookahead_slots(config.num_draft_tokens)
+        # The largest step of one request: a max_model_len prefill plus the lookahead.
+        max_request_slots = config.max_model_len + lookahead_slots(
+            config.num_draft_tokens, config.overlap_steps
+        )
         if self.block_manager.capacity_tokens < max_request_slots:
             raise ValueError(
                 f"the KV pool holds {self.block_manager.capacity_tokens} tokens, fewer than "
                 f"max_model_len={config.max_model_len} + {max_request_slots - config.max_model_len}"
-                " MTP lookahead slots: a long request could never run"
+                " lookahead slots: a long request could never run"
             )
         self.tokenizer = tokenizer
         self.waiting: deque[Request] = deque()
@@ -234,8 +241,16 @@ class Scheduler:
     @property
     def _num_lookahead_slots(self) -> int:
         """Slots past the verified tokens that MTP draft steps 1..k-1 write (positions of the
-        drafts they feed back), so a step that samples owns them too."""
-        return lookahead_slots(self.config.num_draft_tokens)
+        drafts they feed back), or that the next decode launched ahead writes (MTP off), so a
+        step that samples owns them too (`cluster.config.lookahead_slots`)."""
+        return lookahead_slots(self.config.num_draft_tokens, self.config.overlap_steps)
+
+    @property
+    def _num_kept_lookahead_slots(self) -> int:
+        """Lookahead slots a request keeps between steps: the next decode's, which a rank may
+        have launched before this step's tokens were read (MTP off, steps overlapping). MTP's
+        are written within the step and rolled back with rejected drafts."""
+        return self._num_lookahead_slots if self.config.num_draft_tokens == 0 else 0
 
     def _prefill_slots(
         self, request: Request, num_chunk_tokens: int, start: int | None = None
@@ -418,8 +433,11 @@ class Scheduler:
                     f"{scheduled.num_draft_tokens} scheduled"
                 )
             request.num_computed_tokens += len(scheduled.token_ids) - num_rejected
-            # Slots of rejected drafts hold stale KV; give back blocks wholly past the prefix.
-            self.block_manager.truncate(request, request.num_computed_tokens)
+            # Slots of rejected drafts hold stale KV; give back blocks wholly past the prefix
+            # (without MTP, past the slot of the next decode, which may already be running).
+            self.block_manager.truncate(
+                request, request.num_computed_tokens + self._num_kept_lookahead_slots
+            )
             self.block_manager.cache_final_blocks(request)
             if not scheduled.samples:
                 continue

@@ -9,7 +9,12 @@ import argparse
 import json
 from typing import Any
 
-from cluster.config import DEFAULT_NUM_DRAFT_TOKENS, KV_CACHE_DTYPES, EngineConfig
+from cluster.config import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    KV_CACHE_DTYPES,
+    OVERLAP_STEPS,
+    EngineConfig,
+)
 
 SPECULATIVE_METHODS = ("mtp", "deepseek_mtp")  # vLLM's names for DeepSeek's MTP layer
 
@@ -98,6 +103,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="where the model runs (default auto: the GPU if there is one)",
     )
     parser.add_argument(
+        "--overlap-steps",
+        default=None,
+        choices=list(OVERLAP_STEPS),
+        help="without MTP, launch the next step's greedy decodes before this step's tokens are "
+        "read, so the GPU runs while the engine does its bookkeeping (default auto: on GPU ranks)",
+    )
+    parser.add_argument(
         "--indexer-numerics",
         default=None,
         choices=["exact", "fp8"],
@@ -148,6 +160,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "indexer_numerics": args.indexer_numerics,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "overlap_steps": args.overlap_steps,
     }
     options = {name: value for name, value in options.items() if value is not None}
     EngineConfig(model="", **options)  # its checks, without reading the checkpoint

@@ -17,7 +17,7 @@ import torch
 from parallel.collectives import tp_broadcast
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
-from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
+from workers.batch import SamplingSpec, SeqResult, SeqWork, StepInput, StepOutput
 from workers.block_tables import BlockTables
 from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
 from workers.logits_processors import (
@@ -55,6 +55,41 @@ class _SeqState:
     output_counts: OutputCounts | None = None
 
 
+def _plain_greedy(spec: SamplingSpec) -> bool:
+    """Greedy with nothing read but the argmax: no logits processors, no logprobs."""
+    return spec.greedy and not spec.has_logits_processors and spec.num_logprobs is None
+
+
+@dataclass
+class _AheadRow:
+    """One request's decode in the step launched ahead: its row there, the position it computed
+    and what the step it followed sampled (the token it was fed on the device)."""
+
+    row: int
+    position: int
+    sampling: SamplingSpec
+    table_len: int  # the block-table entries its slot was taken from
+    token: int = -1  # set once the step before it has read its tokens
+
+
+@dataclass
+class _Ahead:
+    """The next step's greedy decodes, launched before this step's tokens were read (`overlap`).
+
+    Each request that decoded greedily this step (no logits processors, no logprobs, no drafts)
+    goes on with the token this step picked, fed from the argmax on the device, at the next
+    position, into the slot its block table already holds. The engine's next step takes the
+    rows it matches (`ModelRunner._reusable`); a request that finished or changed wasted one
+    row, and its cache write landed in a slot that no one reads before writing it again (its own
+    next step, or a block's next owner, after it on the same stream)."""
+
+    rows: dict[str, _AheadRow]
+    argmax: torch.Tensor  # [n] on the host (pinned on CUDA), valid once `copied` is done
+    # [n] on the device, its own copy: a later replay of the same graph rewrites the graph's
+    argmax_device: torch.Tensor
+    copied: torch.cuda.Event | None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -66,6 +101,7 @@ class ModelRunner:
         max_seq_slots: int = 8192,  # context + MTP lookahead: the block tables' width
         cache_format: CacheFormat | None = None,  # None: the model's dtype throughout
         cuda_graph_max_rows: int = 0,  # q = 1 graphs' rows for steps that prefill (>= max batch)
+        overlap: bool = False,  # launch the next step's greedy decodes ahead (`_Ahead`)
     ):
         self.model = model
         self.device = device
@@ -104,8 +140,11 @@ class ModelRunner:
             self.sampler_graphs = SamplerGraphs(
                 self.graphs, model.config.vocab_size, SAMPLER_GRAPH_MAX_ROWS
             )
-        # Marks the sampled tokens' device-to-host copy done (CUDA): see `_forward`.
-        self._argmax_copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.overlap = overlap
+        self._ahead: _Ahead | None = None
+        # Decode rows launched ahead, and those a step then took (the rest were wasted)
+        self.num_rows_ahead = 0
+        self.num_rows_reused = 0
 
     @property
     def has_mtp(self) -> bool:
@@ -115,19 +154,148 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        """Run the step. With `overlap`, the next step's greedy decodes are launched before this
+        step's tokens are read, so the GPU runs them while the engine does its bookkeeping; the
+        next call takes what matches and runs the rest."""
+        ahead, self._ahead = self._ahead, None  # a failed step leaves nothing launched ahead
         self._forget(step.finished_request_ids)
         if self.proposer is not None:
             self.proposer.forget(step.preempted_request_ids)
         if not step.seqs:
             return StepOutput([])
         tables = [self.block_tables.update(s) for s in step.seqs]
-        batch = self._prepare(step.seqs, tables)
-        hidden, logits, argmax = self._forward(batch)
-        results = self._sample(batch, logits, argmax)
-        if self.proposer is not None and step.num_draft_tokens > 0:
-            self._agree_on_samples(batch.seqs, results)
-            self.proposer.propose(step, batch, hidden, results)
+        reused = self._reusable(ahead, step, tables) if ahead is not None else {}
+        rest = [i for i in range(len(step.seqs)) if i not in reused]
+        batch = hidden = logits = argmax = None
+        if rest:
+            batch = self._prepare([step.seqs[i] for i in rest], [tables[i] for i in rest])
+            hidden, logits, argmax = self._forward(batch)
+        # A step whose rows' logits are read after the forward (draws, logits processors,
+        # logprobs) launches ahead only once they are read: a replay of the same graph would
+        # rewrite them.
+        ahead_after = batch is not None and any(
+            s.samples and not _plain_greedy(s.sampling) for s in batch.seqs
+        )
+        overlap = self.overlap and step.num_draft_tokens == 0
+        if overlap and not ahead_after:
+            self._ahead = self._launch_ahead(step, tables, reused, ahead, rest, batch)
+        results: list[SeqResult | None] = [None] * len(step.seqs)
+        if reused:
+            if ahead.copied is not None:
+                ahead.copied.synchronize()
+            picked = ahead.argmax.tolist()
+            self.num_rows_reused += len(reused)
+            for i, row in reused.items():
+                results[i] = SeqResult(step.seqs[i].request_id, [picked[row]])
+        if batch is not None:
+            for i, result in zip(rest, self._sample(batch, logits, argmax)):
+                results[i] = result
+            if self.proposer is not None and step.num_draft_tokens > 0:
+                self._agree_on_samples(batch.seqs, results)
+                self.proposer.propose(step, batch, hidden, results)
+        if overlap and ahead_after:
+            self._ahead = self._launch_ahead(step, tables, reused, ahead, rest, batch)
+        if self._ahead is not None:
+            for s, result in zip(step.seqs, results):
+                if (row := self._ahead.rows.get(s.request_id)) is not None:
+                    row.token = result.sampled_token_ids[-1]
         return StepOutput(results)
+
+    def _reusable(self, ahead: _Ahead, step: StepInput, tables: list) -> dict[int, int]:
+        """The step's sequences that the step launched ahead already computed -> {index in
+        the step: row in `ahead`}: a plain greedy decode of the token it was fed, at the
+        position it was fed at, over the block-table entries its slot came from."""
+        preempted = set(step.preempted_request_ids)
+        reused = {}
+        for i, s in enumerate(step.seqs):
+            row = ahead.rows.get(s.request_id)
+            if (
+                row is not None
+                and s.request_id not in preempted
+                and s.token_ids == [row.token]
+                and s.start_position == row.position
+                and s.num_draft_tokens == 0
+                and s.samples
+                and s.sampling == row.sampling
+                and s.block_table_start >= row.table_len
+                and len(tables[i]) >= row.table_len
+            ):
+                reused[i] = row.row
+        return reused
+
+    def _launch_ahead(
+        self,
+        step: StepInput,
+        tables: list,
+        reused: dict[int, int],
+        ahead: _Ahead | None,
+        rest: list[int],
+        batch: StepTensors | None,
+    ) -> _Ahead | None:
+        """Launch the next step's decode of every sequence of `step` that decodes greedily with
+        nothing but the argmax (`_Ahead`), fed on the device from this step's argmax (of the
+        step launched ahead for `reused` sequences, of `batch` for the rest). None when no
+        sequence qualifies."""
+        rest_rows = {}  # index in the step -> its last logit row in `batch`
+        if batch is not None:
+            cursor = 0
+            for i, s in zip(rest, batch.seqs):
+                if s.samples:
+                    cursor += s.num_draft_tokens + 1
+                    rest_rows[i] = cursor - 1
+        chosen, sources = [], []  # (index in step), (0: ahead / 1: batch, row)
+        for i, s in enumerate(step.seqs):
+            if not (s.samples and s.num_draft_tokens == 0 and _plain_greedy(s.sampling)):
+                continue
+            position = s.start_position + len(s.token_ids)
+            if position // self.block_size >= len(tables[i]):
+                continue  # its next slot is not allocated yet
+            chosen.append(i)
+            sources.append((0, reused[i]) if i in reused else (1, rest_rows[i]))
+        if not chosen:
+            return None
+        rows, seqs, next_tables = {}, [], []
+        for row, i in enumerate(chosen):
+            s = step.seqs[i]
+            position = s.start_position + len(s.token_ids)
+            rows[s.request_id] = _AheadRow(row, position, s.sampling, len(tables[i]))
+            seqs.append(SeqWork(s.request_id, [0], position, [], 0, True, s.sampling))
+            next_tables.append(tables[i])
+        tokens = self._gather_tokens(sources, ahead, batch)
+        next_batch = self._prepare(seqs, next_tables)
+        next_batch.input_ids.copy_(tokens, non_blocking=True)
+        _, _, argmax = self._forward(next_batch)
+        argmax_device = next_batch.argmax_device.clone()
+        self.num_rows_ahead += len(rows)
+        return _Ahead(rows, argmax, argmax_device, next_batch.argmax_copied)
+
+    def _gather_tokens(self, sources: list, ahead: _Ahead | None, batch) -> torch.Tensor:
+        """The device tokens at `sources` ((0, row): of the step launched ahead, (1, row): of
+        `batch`'s argmax), in order: a slice when they are one argmax's first rows."""
+        parts = {0: ahead.argmax_device if ahead is not None else None}
+        if batch is not None:
+            parts[1] = batch.argmax_device
+        kinds = {kind for kind, _ in sources}
+        if len(kinds) == 1:
+            kind = kinds.pop()
+            rows = [row for _, row in sources]
+            if rows == list(range(len(rows))):
+                return parts[kind][: len(rows)]
+        pinned = self.device.type == "cuda"
+        out = []
+        for kind in (0, 1):
+            rows = [row for k, row in sources if k == kind]
+            if rows:
+                index = torch.tensor(rows, dtype=torch.long, pin_memory=pinned)
+                out.append(parts[kind].index_select(0, index.to(self.device, non_blocking=True)))
+        if len(out) == 1:
+            return out[0]
+        # Order by the step: every ahead row, then every batch row, as `sources` interleaves.
+        order = sorted(range(len(sources)), key=lambda n: (sources[n][0], n))
+        position = torch.empty(len(sources), dtype=torch.long)
+        position[torch.tensor(order)] = torch.arange(len(sources))
+        index = position.pin_memory() if pinned else position
+        return torch.cat(out).index_select(0, index.to(self.device, non_blocking=True))
 
     def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -151,6 +319,7 @@ class ModelRunner:
         return saved
 
     def restore(self, step: StepInput, saved: dict[str, tuple]) -> None:
+        self._ahead = None  # launched from a failed step's tokens: nothing to take from it
         for s in step.seqs:
             existed, rng, pending = saved[s.request_id]
             if not existed:
@@ -222,10 +391,12 @@ class ModelRunner:
                 return hidden, None, None
             logits = self.model.compute_logits(hidden[rows])
             argmax = logits.argmax(-1)
+        batch.argmax_device = argmax
         if self.device.type == "cuda":
             pinned = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
             argmax = pinned.copy_(argmax, non_blocking=True)
-            self._argmax_copied.record()
+            batch.argmax_copied = torch.cuda.Event()
+            batch.argmax_copied.record()
         return hidden, logits, argmax
 
     def _sample(
@@ -282,8 +453,8 @@ class ModelRunner:
             for (i, _, _, _), (tokens, accepted) in zip(together, drawn):
                 results[i] = SeqResult(batch.seqs[i].request_id, tokens, accepted)
         if greedy:
-            if self.device.type == "cuda":
-                self._argmax_copied.synchronize()
+            if batch.argmax_copied is not None:
+                batch.argmax_copied.synchronize()
             argmax = argmax.tolist()
         for i, state, first, drafts in greedy:
             s, end = batch.seqs[i], first + len(drafts) + 1

@@ -60,6 +60,7 @@ class WorkerSpec:
     max_num_seqs: int = 64
     indexer_numerics: str = "exact"
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (the MLA latent cache)
+    overlap_steps: str = "off"  # cluster.config.EngineConfig.overlap_steps
 
 
 def warm_up_prefill_lengths(
@@ -141,6 +142,7 @@ class Worker:
         cuda_graph_max_rows: int = 0,
         indexer_numerics: str = "exact",
         kv_cache_dtype: str = "auto",
+        overlap_steps: str = "off",
     ):
         from workers.loader import load_model
 
@@ -175,6 +177,8 @@ class Worker:
             max_seq_slots,
             self.cache_format,
             cuda_graph_max_rows,
+            overlap=overlap_steps == "on"
+            or (overlap_steps == "auto" and self.device.type == "cuda"),
         )
 
     @classmethod
@@ -195,6 +199,7 @@ class Worker:
             max_num_seqs=spec.max_num_seqs,
             indexer_numerics=spec.indexer_numerics,
             kv_cache_dtype=spec.kv_cache_dtype,
+            overlap_steps=spec.overlap_steps,
         )
 
     @property
