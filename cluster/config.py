@@ -12,7 +12,10 @@ read; `resolve_config` settles them once, at startup, and logs what it chose and
 - the sampling defaults of requests that leave them out: the checkpoint's
   `generation_config.json` (`read_checkpoint`).
 
-`lookahead_slots` is the one definition of the KV room a sequence needs past its tokens.
+`overlap_steps` "auto" is settled by the executor once the ranks exist (on where they run on
+CUDA and MTP is off: `LLMEngine.__init__`), before the context is fitted and the scheduler
+made, since it decides the lookahead slot. `lookahead_slots` is the one definition of the KV
+room a sequence needs past its tokens.
 """
 
 from __future__ import annotations

@@ -54,6 +54,12 @@ def test_vllm_names_and_short_forms_give_the_same_engine():
     assert _options([]) == {}  # unset options are left to EngineConfig's defaults
 
 
+def test_overlap_steps_option():
+    assert _options(["--overlap-steps", "off"]) == {"overlap_steps": "off"}
+    with pytest.raises(SystemExit):
+        _options(["--overlap-steps", "sometimes"])
+
+
 @pytest.mark.parametrize(
     "config, message",
     [
