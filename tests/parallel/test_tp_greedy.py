@@ -70,6 +70,38 @@ def test_tp_greedy_matches_tp1(
         llm.engine.shutdown()
 
 
+def _rows_reused(actor) -> tuple[int, int]:
+    runner = actor.worker.runner
+    return runner.num_rows_ahead, runner.num_rows_reused
+
+
+def test_tp2_steps_overlap(ray_local, tiny_model_dir, prompts, tp1_tokens):
+    """Every rank launches the next step's decodes ahead and takes the same rows (their
+    collectives meet): TP=1's greedy tokens, and both ranks took every row the other took."""
+    from cluster.llm import LLM
+
+    ray = ray_local
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    llm = LLM(
+        tiny_model_dir,
+        tp_size=2,
+        num_draft_tokens=0,
+        overlap_steps="on",
+        dtype="float32",
+        actor_num_cpus=0.5,
+        step_timeout_s=STEP_TIMEOUT_S,
+    )
+    try:
+        outs = llm.generate(prompts, greedy_params())
+        assert [o.token_ids for o in outs] == tp1_tokens
+        assert llm.engine.executor.overlaps_steps
+        workers = llm.engine.executor.workers
+        counts = ray.get([w.run.remote(_rows_reused) for w in workers], timeout=60)
+        assert counts[0] == counts[1] and counts[0][1] > 0
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.no_triton
 def test_auto_executor_picks_ray_for_tp2(ray_local, tiny_model_dir, prompts, tp1_tokens):
     from cluster.llm import LLM
