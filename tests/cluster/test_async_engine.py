@@ -24,15 +24,25 @@ def _greedy(n: int) -> SamplingParams:
 MODES = pytest.mark.parametrize("own_process", [False, True], ids=["thread", "process"])
 
 
-@pytest.fixture(params=[False, True], ids=["thread", "process"])
+@pytest.fixture(
+    params=[(False, "auto"), (True, "auto"), (False, "on"), (True, "on")],
+    ids=["thread", "process", "thread-overlap", "process-overlap"],
+)
 def engine(tiny_model_dir, request):
+    """The step loop on a thread or in a process; with steps overlapping ("on") as on a GPU,
+    where "auto" turns it on (on CPU it is off)."""
+    own_process, overlap = request.param
     engine = AsyncEngine(
         EngineConfig(
-            model=tiny_model_dir, num_draft_tokens=0, dtype="float32", max_queued_requests=2
+            model=tiny_model_dir,
+            num_draft_tokens=0,
+            dtype="float32",
+            max_queued_requests=2,
+            overlap_steps=overlap,
         ),
-        own_process=request.param,
+        own_process=own_process,
     )
-    assert engine.own_process == request.param
+    assert engine.own_process == own_process
     yield engine
     asyncio.run(engine.shutdown())
 

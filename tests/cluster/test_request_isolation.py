@@ -30,12 +30,21 @@ def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) ->
     return {i: final[i] for i in ids}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
+@pytest.fixture(scope="module", params=[2, 0], ids=["mtp", "overlap"])
+def engine(tiny_model_dir, request):
+    """MTP k = 2; or MTP off with steps overlapping (the greedy request's next decodes launched
+    ahead, dropped when a step fails)."""
     from cluster.config import EngineConfig
 
+    k = request.param
     return LLMEngine(
-        EngineConfig(tiny_model_dir, device="cpu", dtype="float32", num_draft_tokens=2)
+        EngineConfig(
+            tiny_model_dir,
+            device="cpu",
+            dtype="float32",
+            num_draft_tokens=k,
+            overlap_steps="on" if k == 0 else "auto",
+        )
     )
 
 
