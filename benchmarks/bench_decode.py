@@ -380,6 +380,52 @@ def profile_step(
         print(f"graph replay {bench.graph_ms(graphs, batch, context, 1):.3f} ms/step")
 
 
+def mtp_round_gaps(bench: DecodeBench, model, graphs, batch: int = 1, context: int = 1024):
+    """How much of an MTP round the GPU is busy: a round's wall time (`round_ms`, the engine's
+    configuration: graphs, PDL on) against the GPU kernel time of the same rounds (the
+    profiler's sum over 20 rounds; kernels PDL lets overlap count twice, so busy is an upper
+    bound) and the verify step's graph replay alone. Wall minus busy is what the host adds:
+    the waits for the verify's tokens and the drafts, and the work between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.mtp_proposer import MtpProposer
+
+    bench.runner.graphs = graphs
+    bench.runner.proposer = MtpProposer(model, BLOCK, graphs)
+    print(f"MTP rounds at b={batch}, context {context} (graphs, PDL on):")
+    print(
+        "| k | share top-k | round ms (wall) | GPU kernel ms | wall - kernel ms | verify graph ms |"
+    )
+    print("|---|---|---|---|---|---|")
+    tables = bench.inputs(batch, context, 4)[3].cpu().tolist()
+    for k in (1, 2, 3):
+        for share in (False, True):
+            wall = bench.round_ms(batch, context, k, share)
+            seqs = [
+                SeqWork(f"g{b}", [5] + [7] * k, context, tables[b], k, True, SamplingSpec())
+                for b in range(batch)
+            ]
+            step = StepInput(seqs, k, share)
+            for _ in range(3):
+                bench.runner.execute(step)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    bench.runner.execute(step)
+                torch.cuda.synchronize()
+            busy = sum(
+                e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"
+            )
+            busy_ms = busy / 20 / 1e3
+            bench.runner.execute(StepInput([], finished_request_ids=[s.request_id for s in seqs]))
+            with torch.inference_mode():  # the runner captured the verify graph in it
+                verify = bench.graph_ms(graphs, batch, context, k + 1)
+            print(
+                f"| {k} | {share} | {wall:.3f} | {busy_ms:.3f} | {wall - busy_ms:.3f} "
+                f"| {verify:.3f} |"
+            )
+
+
 def pdl_per_kernel(bench: DecodeBench, batch: int = 1, contexts=(1024, 8192)) -> None:
     """The b=`batch` graph replay with PDL on for every kernel, off for all, and off for one
     Triton kernel at a time (MTPSERVE_PDL_OFF_KERNELS): which kernel's early launch costs more
@@ -453,6 +499,12 @@ def main() -> None:
         "--pdl-per-kernel",
         action="store_true",
         help="the b=1 step's graph replay with PDL off for one Triton kernel at a time, and exit",
+    )
+    ap.add_argument(
+        "--mtp-gaps",
+        action="store_true",
+        help="MTP rounds at b=1: wall time against the GPU's kernel time and the verify graph, "
+        "and exit",
     )
     args = ap.parse_args()
     lines = []
@@ -597,6 +649,9 @@ def run_single(args, emit, bw: float) -> None:
         return
     if args.pdl_per_kernel:
         pdl_per_kernel(bench)
+        return
+    if args.mtp_gaps:
+        mtp_round_gaps(bench, model, bench.graphs(True, max(BATCHES)))
         return
     emit("\n| prefill chunk | after context | ms | prefill tok/s |")
     emit("|---|---|---|---|")

@@ -164,7 +164,7 @@ class ModelRunner:
         if not step.seqs:
             return StepOutput([])
         tables = [self.block_tables.update(s) for s in step.seqs]
-        reused = self._reusable(ahead, step, tables) if ahead is not None else {}
+        reused = self._reusable(ahead, step) if ahead is not None else {}
         rest = [i for i in range(len(step.seqs)) if i not in reused]
         batch = hidden = logits = argmax = None
         if rest:
@@ -201,24 +201,27 @@ class ModelRunner:
                     row.token = result.sampled_token_ids[-1]
         return StepOutput(results)
 
-    def _reusable(self, ahead: _Ahead, step: StepInput, tables: list) -> dict[int, int]:
+    def _reusable(self, ahead: _Ahead, step: StepInput) -> dict[int, int]:
         """The step's sequences that the step launched ahead already computed -> {index in
         the step: row in `ahead`}: a plain greedy decode of the token it was fed, at the
-        position it was fed at, over the block-table entries its slot came from."""
-        preempted = set(step.preempted_request_ids)
+        position it was fed at, over the block-table entries its slot came from (a preempted
+        request's table is sent again from its start)."""
+        preempted = step.preempted_request_ids
+        rows = ahead.rows
         reused = {}
         for i, s in enumerate(step.seqs):
-            row = ahead.rows.get(s.request_id)
+            row = rows.get(s.request_id)
+            if row is None:
+                continue
+            ids = s.token_ids
             if (
-                row is not None
-                and s.request_id not in preempted
-                and s.token_ids == [row.token]
+                len(ids) == 1
+                and ids[0] == row.token
                 and s.start_position == row.position
-                and s.num_draft_tokens == 0
-                and s.samples
-                and s.sampling == row.sampling
                 and s.block_table_start >= row.table_len
-                and len(tables[i]) >= row.table_len
+                and s.samples
+                and (s.sampling is row.sampling or s.sampling == row.sampling)
+                and not (preempted and s.request_id in preempted)
             ):
                 reused[i] = row.row
         return reused
@@ -243,24 +246,23 @@ class ModelRunner:
                 if s.samples:
                     cursor += s.num_draft_tokens + 1
                     rest_rows[i] = cursor - 1
-        chosen, sources = [], []  # (index in step), (0: ahead / 1: batch, row)
+        block_size = self.block_size
+        rows, seqs, next_tables, sources = {}, [], [], []  # sources: (0 ahead / 1 batch, row)
         for i, s in enumerate(step.seqs):
-            if not (s.samples and s.num_draft_tokens == 0 and _plain_greedy(s.sampling)):
+            spec = s.sampling
+            if not s.samples or s.num_draft_tokens or not _plain_greedy(spec):
                 continue
             position = s.start_position + len(s.token_ids)
-            if position // self.block_size >= len(tables[i]):
+            table = tables[i]
+            if position // block_size >= len(table):
                 continue  # its next slot is not allocated yet
-            chosen.append(i)
-            sources.append((0, reused[i]) if i in reused else (1, rest_rows[i]))
-        if not chosen:
+            rows[s.request_id] = _AheadRow(len(seqs), position, spec, len(table))
+            seqs.append(SeqWork(s.request_id, [0], position, [], 0, True, spec))
+            next_tables.append(table)
+            row = reused.get(i)
+            sources.append((0, row) if row is not None else (1, rest_rows[i]))
+        if not seqs:
             return None
-        rows, seqs, next_tables = {}, [], []
-        for row, i in enumerate(chosen):
-            s = step.seqs[i]
-            position = s.start_position + len(s.token_ids)
-            rows[s.request_id] = _AheadRow(row, position, s.sampling, len(tables[i]))
-            seqs.append(SeqWork(s.request_id, [0], position, [], 0, True, s.sampling))
-            next_tables.append(tables[i])
         tokens = self._gather_tokens(sources, ahead, batch)
         next_batch = self._prepare(seqs, next_tables)
         next_batch.input_ids.copy_(tokens, non_blocking=True)
