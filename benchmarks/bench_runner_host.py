@@ -1,7 +1,7 @@
 """The model runner's host work per decode step, by phase, batch size and context.
 
     python benchmarks/bench_runner_host.py [--device cpu|cuda] [--path graph|eager] [--drafts K]
-        [--temperature T [--top-p P] [--seed S] [--sampler graph|eager]] [--model DIR]
+        [--temperature T [--top-p P] [--seed S] [--sampler graph|eager]] [--model DIR] [--overlap]
 
 Runs `ModelRunner.execute` on decode steps of the tiny checkpoint (or `--model`'s) with the model
 replaced by a stand-in whose forward and LM head return preallocated hidden states and logits of the
@@ -32,6 +32,7 @@ for no proposal, so the MTP layer's own work is not in the figure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -106,10 +107,11 @@ def build_runner(
     clock,
     sampler: str = "graph",
     model_dir: str | None = None,
+    room: int = 0,  # positions past the largest context the tables must hold
 ):
     model_dir = model_dir or tiny_model_path()
     model, _ = load_model(model_dir, torch.float32, device, enable_mtp=False)
-    max_context = max(CONTEXTS) + BLOCK
+    max_context = max(CONTEXTS) + BLOCK + room
     runner = ModelRunner(model, 2, BLOCK, device, 0, max_context)
     stand_in = StandInModel(model, max_rows, device)
     stand_in.forward = clock.wrap("launch", stand_in.forward)
@@ -140,12 +142,18 @@ def build_runner(
 
 
 def decode_step(
-    batch: int, context: int, drafts: int, vocab: int, held: bool, sampling: SamplingSpec
+    batch: int,
+    context: int,
+    drafts: int,
+    vocab: int,
+    held: bool,
+    sampling: SamplingSpec,
+    room: int = 0,
 ) -> StepInput:
     """`held`: the runner holds the tables from an earlier step, so the step sends none of
     their entries (as the engine sends a decode step that allocates no block); else every
-    table whole (a request's first step)."""
-    blocks_per_seq = (context + drafts) // BLOCK + 1
+    table whole (a request's first step). `room`: positions past the step the tables hold."""
+    blocks_per_seq = (context + drafts + room) // BLOCK + 1
     seqs = [
         SeqWork(
             f"r{b}",
@@ -158,6 +166,22 @@ def decode_step(
             block_table_start=blocks_per_seq if held else 0,
         )
         for b in range(batch)
+    ]
+    return StepInput(seqs)
+
+
+def next_step(step: StepInput, output) -> StepInput:
+    """The decode step after `step` (one token a sequence), fed the tokens it sampled, as the
+    engine feeds them."""
+    seqs = [
+        dataclasses.replace(
+            s,
+            token_ids=[r.sampled_token_ids[-1]],
+            start_position=s.start_position + len(s.token_ids),
+            block_ids=[],
+            block_table_start=s.block_table_start + len(s.block_ids),
+        )
+        for s, r in zip(step.seqs, output.results)
     ]
     return StepInput(seqs)
 
@@ -187,14 +211,22 @@ def main() -> None:
     ap.add_argument(
         "--model", default=None, help="checkpoint whose config (vocabulary) the runner takes"
     )
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="the runner launches each next step ahead (EngineConfig.overlap_steps); the timed "
+        "steps are consecutive decodes, each fed the tokens of the one before",
+    )
     args = ap.parse_args()
     sampling = SamplingSpec(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     device = torch.device(args.device)
     torch.set_num_threads(1)
     clock = PhaseClock()
     q = args.drafts + 1
+    consecutive = args.overlap and args.drafts == 0
+    room = args.steps + 16 if consecutive else 0
     runner = build_runner(
-        device, args.path, max(BATCHES), max(BATCHES) * q, clock, args.sampler, args.model
+        device, args.path, max(BATCHES), max(BATCHES) * q, clock, args.sampler, args.model, room
     )
     vocab = runner.model.config.vocab_size
     how = f"temperature {args.temperature}, top-p {args.top_p}" if args.temperature else "greedy"
@@ -204,21 +236,29 @@ def main() -> None:
     print(f"device {device}, {args.path} path, {q} token(s) per sequence, {how}, us per step")
     print("| batch | context | " + " | ".join(PHASES) + " | whole step |")
     print("|---|---|" + "---|" * (len(PHASES) + 1))
+    runner.overlap = args.overlap
     for batch in BATCHES:
         for context in CONTEXTS:
-            runner.execute(decode_step(batch, context, args.drafts, vocab, False, sampling))
-            step = decode_step(batch, context, args.drafts, vocab, True, sampling)
+            first = decode_step(batch, context, args.drafts, vocab, False, sampling, room)
+            output = runner.execute(first)
+            step = decode_step(batch, context, args.drafts, vocab, True, sampling, room)
+            if consecutive:
+                step = next_step(first, output)
             for _ in range(10):
-                runner.execute(step)
+                output = runner.execute(step)
+                step = next_step(step, output) if consecutive else step
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             clock.totals.clear()
             start = time.perf_counter()
             for _ in range(args.steps):
-                runner.execute(step)
+                output = runner.execute(step)
+                step = next_step(step, output) if consecutive else step
             whole = (time.perf_counter() - start) / args.steps * 1e6
             cells = [f"{clock.totals[p] / args.steps * 1e6:.1f}" for p in PHASES]
             print(f"| {batch} | {context} | " + " | ".join(cells) + f" | {whole:.1f} |")
+            done = [s.request_id for s in step.seqs]
+            runner.execute(StepInput([], finished_request_ids=done))  # the next row starts over
 
 
 if __name__ == "__main__":
