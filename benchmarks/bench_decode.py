@@ -380,7 +380,9 @@ def profile_step(
         print(f"graph replay {bench.graph_ms(graphs, batch, context, 1):.3f} ms/step")
 
 
-def mtp_round_gaps(bench: DecodeBench, model, graphs, batch: int = 1, context: int = 1024):
+def mtp_round_gaps(
+    bench: DecodeBench, model, graphs, batch: int = 1, context: int = 1024, trace: str = ""
+):
     """How much of an MTP round the GPU is busy: a round's wall time (`round_ms`, the engine's
     configuration: graphs, PDL on) against the GPU kernel time of the same rounds (the
     profiler's sum over 20 rounds; kernels PDL lets overlap count twice, so busy is an upper
@@ -413,6 +415,14 @@ def mtp_round_gaps(bench: DecodeBench, model, graphs, batch: int = 1, context: i
                 for _ in range(20):
                     bench.runner.execute(step)
                 torch.cuda.synchronize()
+            if trace and k == 1 and not share:  # the host's side too: where the gaps are
+                activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                with profile(activities=activities, with_stack=True) as timeline:
+                    for _ in range(5):
+                        bench.runner.execute(step)
+                    torch.cuda.synchronize()
+                os.makedirs(trace, exist_ok=True)
+                timeline.export_chrome_trace(os.path.join(trace, "mtp_round_k1.json"))
             busy = sum(
                 e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"
             )
@@ -499,6 +509,11 @@ def main() -> None:
         "--pdl-per-kernel",
         action="store_true",
         help="the b=1 step's graph replay with PDL off for one Triton kernel at a time, and exit",
+    )
+    ap.add_argument(
+        "--trace",
+        default="",
+        help="with --mtp-gaps: a directory for a Chrome trace (host and GPU) of five k = 1 rounds",
     )
     ap.add_argument(
         "--mtp-gaps",
@@ -651,7 +666,7 @@ def run_single(args, emit, bw: float) -> None:
         pdl_per_kernel(bench)
         return
     if args.mtp_gaps:
-        mtp_round_gaps(bench, model, bench.graphs(True, max(BATCHES)))
+        mtp_round_gaps(bench, model, bench.graphs(True, max(BATCHES)), trace=args.trace)
         return
     emit("\n| prefill chunk | after context | ms | prefill tok/s |")
     emit("|---|---|---|---|")
