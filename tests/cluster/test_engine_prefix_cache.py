@@ -75,20 +75,34 @@ def reference(tiny_model_dir, turns):
     return _converse(_llm(tiny_model_dir, enable_prefix_caching=False), *turns)
 
 
-@pytest.mark.parametrize("k", [0, 1, 2, 3])
-def test_greedy_identical_with_cache_hits(tiny_model_dir, turns, reference, k):
-    llm = _llm(tiny_model_dir, num_draft_tokens=k)
+# MTP k = 0..3; k = 0 also with steps overlapping (each request keeping its next decode's slot)
+STEP_MODES = pytest.mark.parametrize(
+    "k, overlap", [(0, "auto"), (0, "on"), (1, "auto"), (2, "auto"), (3, "auto")]
+)
+
+
+@STEP_MODES
+def test_greedy_identical_with_cache_hits(tiny_model_dir, turns, reference, k, overlap):
+    llm = _llm(tiny_model_dir, num_draft_tokens=k, overlap_steps=overlap)
     assert _converse(llm, *turns) == reference
     stats = llm.stats()
     assert stats.prefix_cache_hit_tokens >= (NUM_TURNS * NUM_CONVERSATIONS - 1) * BLOCK * 2
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-@pytest.mark.parametrize("k", [0, 1, 2, 3])
-def test_greedy_identical_under_preemption_and_eviction(tiny_model_dir, turns, reference, k):
+@STEP_MODES
+def test_greedy_identical_under_preemption_and_eviction(
+    tiny_model_dir, turns, reference, k, overlap
+):
     # 11 usable blocks of 16 tokens for 4 conversations of up to ~110 tokens: requests are
     # preempted, and cached blocks evicted, over and over.
-    llm = _llm(tiny_model_dir, num_draft_tokens=k, num_kv_blocks=12, max_model_len=160)
+    llm = _llm(
+        tiny_model_dir,
+        num_draft_tokens=k,
+        num_kv_blocks=12,
+        max_model_len=160,
+        overlap_steps=overlap,
+    )
     preemptions = []
     scheduler = llm.engine.scheduler
     original = scheduler._preempt
