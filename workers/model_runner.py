@@ -17,7 +17,7 @@ import torch
 from parallel.collectives import tp_broadcast
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
-from workers.batch import SamplingSpec, SeqResult, SeqWork, StepInput, StepOutput
+from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
 from workers.block_tables import BlockTables
 from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
 from workers.logits_processors import (
@@ -33,6 +33,7 @@ from workers.sampler import (
     verify_and_sample,
     verify_and_sample_batch,
 )
+from workers.step_ahead import StepAhead, choose_rows, gather_tokens, plain_greedy
 from workers.step_tensors import StepLayout, StepTensors, pack_step
 
 # Rows of the largest sampler graph (workers.cuda_graph.SamplerGraphs): 64 requests verifying
@@ -55,41 +56,6 @@ class _SeqState:
     output_counts: OutputCounts | None = None
 
 
-def _plain_greedy(spec: SamplingSpec) -> bool:
-    """Greedy with nothing read but the argmax: no logits processors, no logprobs."""
-    return spec.greedy and not spec.has_logits_processors and spec.num_logprobs is None
-
-
-@dataclass
-class _AheadRow:
-    """One request's decode in the step launched ahead: its row there, the position it computed
-    and what the step it followed sampled (the token it was fed on the device)."""
-
-    row: int
-    position: int
-    sampling: SamplingSpec
-    table_len: int  # the block-table entries its slot was taken from
-    token: int = -1  # set once the step before it has read its tokens
-
-
-@dataclass
-class _Ahead:
-    """The next step's greedy decodes, launched before this step's tokens were read (`overlap`).
-
-    Each request that decoded greedily this step (no logits processors, no logprobs, no drafts)
-    goes on with the token this step picked, fed from the argmax on the device, at the next
-    position, into the slot its block table already holds. The engine's next step takes the
-    rows it matches (`ModelRunner._reusable`); a request that finished or changed wasted one
-    row, and its cache write landed in a slot that no one reads before writing it again (its own
-    next step, or a block's next owner, after it on the same stream)."""
-
-    rows: dict[str, _AheadRow]
-    argmax: torch.Tensor  # [n] on the host (pinned on CUDA), valid once `copied` is done
-    # [n] on the device, its own copy: a later replay of the same graph rewrites the graph's
-    argmax_device: torch.Tensor
-    copied: torch.cuda.Event | None
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -101,7 +67,7 @@ class ModelRunner:
         max_seq_slots: int = 8192,  # context + MTP lookahead: the block tables' width
         cache_format: CacheFormat | None = None,  # None: the model's dtype throughout
         cuda_graph_max_rows: int = 0,  # q = 1 graphs' rows for steps that prefill (>= max batch)
-        overlap: bool = False,  # launch the next step's greedy decodes ahead (`_Ahead`)
+        overlap: bool = False,  # launch the next step's greedy decodes ahead (workers.step_ahead)
     ):
         self.model = model
         self.device = device
@@ -141,7 +107,7 @@ class ModelRunner:
                 self.graphs, model.config.vocab_size, SAMPLER_GRAPH_MAX_ROWS
             )
         self.overlap = overlap
-        self._ahead: _Ahead | None = None
+        self._ahead: StepAhead | None = None
         # Decode rows launched ahead, and those a step then took (the rest were wasted)
         self.num_rows_ahead = 0
         self.num_rows_reused = 0
@@ -164,7 +130,7 @@ class ModelRunner:
         if not step.seqs:
             return StepOutput([])
         tables = [self.block_tables.update(s) for s in step.seqs]
-        reused = self._reusable(ahead, step) if ahead is not None else {}
+        reused = ahead.reusable(step) if ahead is not None else {}
         rest = [i for i in range(len(step.seqs)) if i not in reused]
         batch = hidden = logits = argmax = None
         if rest:
@@ -174,19 +140,16 @@ class ModelRunner:
         # logprobs) launches ahead only once they are read: a replay of the same graph would
         # rewrite them.
         ahead_after = batch is not None and any(
-            s.samples and not _plain_greedy(s.sampling) for s in batch.seqs
+            s.samples and not plain_greedy(s.sampling) for s in batch.seqs
         )
         overlap = self.overlap and step.num_draft_tokens == 0
         if overlap and not ahead_after:
             self._ahead = self._launch_ahead(step, tables, reused, ahead, rest, batch)
         results: list[SeqResult | None] = [None] * len(step.seqs)
         if reused:
-            if ahead.copied is not None:
-                ahead.copied.synchronize()
-            picked = ahead.argmax.tolist()
+            for i, result in ahead.results(step, reused).items():
+                results[i] = result
             self.num_rows_reused += len(reused)
-            for i, row in reused.items():
-                results[i] = SeqResult(step.seqs[i].request_id, [picked[row]])
         if batch is not None:
             for i, result in zip(rest, self._sample(batch, logits, argmax)):
                 results[i] = result
@@ -196,108 +159,32 @@ class ModelRunner:
         if overlap and ahead_after:
             self._ahead = self._launch_ahead(step, tables, reused, ahead, rest, batch)
         if self._ahead is not None:
-            for s, result in zip(step.seqs, results):
-                if (row := self._ahead.rows.get(s.request_id)) is not None:
-                    row.token = result.sampled_token_ids[-1]
+            self._ahead.record_tokens(step.seqs, results)
         return StepOutput(results)
-
-    def _reusable(self, ahead: _Ahead, step: StepInput) -> dict[int, int]:
-        """The step's sequences that the step launched ahead already computed -> {index in
-        the step: row in `ahead`}: a plain greedy decode of the token it was fed, at the
-        position it was fed at, over the block-table entries its slot came from (a preempted
-        request's table is sent again from its start)."""
-        preempted = step.preempted_request_ids
-        rows = ahead.rows
-        reused = {}
-        for i, s in enumerate(step.seqs):
-            row = rows.get(s.request_id)
-            if row is None:
-                continue
-            ids = s.token_ids
-            if (
-                len(ids) == 1
-                and ids[0] == row.token
-                and s.start_position == row.position
-                and s.block_table_start >= row.table_len
-                and s.samples
-                and (s.sampling is row.sampling or s.sampling == row.sampling)
-                and not (preempted and s.request_id in preempted)
-            ):
-                reused[i] = row.row
-        return reused
 
     def _launch_ahead(
         self,
         step: StepInput,
         tables: list,
         reused: dict[int, int],
-        ahead: _Ahead | None,
+        ahead: StepAhead | None,
         rest: list[int],
         batch: StepTensors | None,
-    ) -> _Ahead | None:
-        """Launch the next step's decode of every sequence of `step` that decodes greedily with
-        nothing but the argmax (`_Ahead`), fed on the device from this step's argmax (of the
-        step launched ahead for `reused` sequences, of `batch` for the rest). None when no
-        sequence qualifies."""
-        rest_rows = {}  # index in the step -> its last logit row in `batch`
-        if batch is not None:
-            cursor = 0
-            for i, s in zip(rest, batch.seqs):
-                if s.samples:
-                    cursor += s.num_draft_tokens + 1
-                    rest_rows[i] = cursor - 1
-        block_size = self.block_size
-        rows, seqs, next_tables, sources = {}, [], [], []  # sources: (0 ahead / 1 batch, row)
-        for i, s in enumerate(step.seqs):
-            spec = s.sampling
-            if not s.samples or s.num_draft_tokens or not _plain_greedy(spec):
-                continue
-            position = s.start_position + len(s.token_ids)
-            table = tables[i]
-            if position // block_size >= len(table):
-                continue  # its next slot is not allocated yet
-            rows[s.request_id] = _AheadRow(len(seqs), position, spec, len(table))
-            seqs.append(SeqWork(s.request_id, [0], position, [], 0, True, spec))
-            next_tables.append(table)
-            row = reused.get(i)
-            sources.append((0, row) if row is not None else (1, rest_rows[i]))
-        if not seqs:
+    ) -> StepAhead | None:
+        """Launch the next step's decodes of `step`'s plain greedy sequences (workers.step_ahead),
+        fed on the device from this step's argmax: of `ahead` for the `reused` sequences, of
+        `batch` for the rest. None when no sequence qualifies."""
+        chosen = choose_rows(step, tables, reused, rest, batch, self.block_size)
+        if chosen is None:
             return None
-        tokens = self._gather_tokens(sources, ahead, batch)
-        next_batch = self._prepare(seqs, next_tables)
+        tokens = gather_tokens(chosen.sources, ahead, batch, self.device)
+        next_batch = self._prepare(chosen.seqs, chosen.tables)
         next_batch.input_ids.copy_(tokens, non_blocking=True)
         _, _, argmax = self._forward(next_batch)
-        argmax_device = next_batch.argmax_device.clone()
-        self.num_rows_ahead += len(rows)
-        return _Ahead(rows, argmax, argmax_device, next_batch.argmax_copied)
-
-    def _gather_tokens(self, sources: list, ahead: _Ahead | None, batch) -> torch.Tensor:
-        """The device tokens at `sources` ((0, row): of the step launched ahead, (1, row): of
-        `batch`'s argmax), in order: a slice when they are one argmax's first rows."""
-        parts = {0: ahead.argmax_device if ahead is not None else None}
-        if batch is not None:
-            parts[1] = batch.argmax_device
-        kinds = {kind for kind, _ in sources}
-        if len(kinds) == 1:
-            kind = kinds.pop()
-            rows = [row for _, row in sources]
-            if rows == list(range(len(rows))):
-                return parts[kind][: len(rows)]
-        pinned = self.device.type == "cuda"
-        out = []
-        for kind in (0, 1):
-            rows = [row for k, row in sources if k == kind]
-            if rows:
-                index = torch.tensor(rows, dtype=torch.long, pin_memory=pinned)
-                out.append(parts[kind].index_select(0, index.to(self.device, non_blocking=True)))
-        if len(out) == 1:
-            return out[0]
-        # Order by the step: every ahead row, then every batch row, as `sources` interleaves.
-        order = sorted(range(len(sources)), key=lambda n: (sources[n][0], n))
-        position = torch.empty(len(sources), dtype=torch.long)
-        position[torch.tensor(order)] = torch.arange(len(sources))
-        index = position.pin_memory() if pinned else position
-        return torch.cat(out).index_select(0, index.to(self.device, non_blocking=True))
+        self.num_rows_ahead += len(chosen.rows)
+        return StepAhead(
+            chosen.rows, argmax, next_batch.argmax_device.clone(), next_batch.argmax_copied
+        )
 
     def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
