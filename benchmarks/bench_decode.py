@@ -15,6 +15,7 @@ whole step (host bookkeeping and sampling included), timed by the wall clock.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import re
@@ -25,6 +26,7 @@ import time
 import torch
 
 from benchmarks.bench_kernels import copy_bandwidth_gbs, with_pdl
+from benchmarks.bench_runner_host import next_step
 from kernels.settings import reload_settings
 from workers.batch import SamplingSpec, SeqWork, StepInput
 from workers.cuda_graph import DecodeGraphs
@@ -214,72 +216,60 @@ class DecodeBench:
         with_pdl(pdl)
         return DecodeGraphs(self.model, max_batch, self.max_blocks, CUDA)
 
-    def round_ms(self, batch: int, context: int, k: int, share: bool, reps: int = 5) -> float:
-        """A whole MTP round through the runner: verify 1 + k, draft step 0, steps 1..k-1
-        (`warmed_median` of windows of `reps` rounds, host time included)."""
+    def round_step(self, batch: int, context: int, k: int, share: bool) -> StepInput:
+        """One MTP round's step of `batch` sequences at `context`: verify 1 + k tokens."""
         tables = self.inputs(batch, context, k + 1)[3].cpu().tolist()
         seqs = [
             SeqWork(f"r{b}", [5] + [7] * k, context, tables[b], k, True, SamplingSpec())
             for b in range(batch)
         ]
-        step = StepInput(seqs, k, share)
+        return StepInput(seqs, k, share)
 
-        def window() -> float:
-            start = time.perf_counter()
-            for _ in range(reps):
-                self.runner.execute(step)
-            torch.cuda.synchronize()
-            return (time.perf_counter() - start) * 1e3 / reps
-
-        return warmed_median(window)
+    def round_ms(self, batch: int, context: int, k: int, share: bool, reps: int = 5) -> float:
+        """A whole MTP round through the runner: verify 1 + k, draft step 0, steps 1..k-1
+        (`warmed_median` of windows of `reps` rounds, host time included)."""
+        step = self.round_step(batch, context, k, share)
+        return warmed_median(wall_window(lambda: self.runner.execute(step), reps))
 
     def decode_steps_ms(self, batch: int, context: int, overlap: bool, reps: int = 20) -> float:
         """Consecutive greedy decode steps through the runner, each fed the tokens the one
-        before it sampled, as the engine feeds them (`warmed_median` of windows of `reps`
-        steps, wall clock, host work included); with `overlap` the runner launches each next
-        step before reading this one's tokens (`EngineConfig.overlap_steps`)."""
+        before it sampled, as the engine feeds them (`next_step`; `warmed_median` of windows
+        of `reps` steps, wall clock, host work included); with `overlap` the runner launches
+        each next step before reading this one's tokens (`EngineConfig.overlap_steps`)."""
         room = 512  # positions past `context` the tables hold; then the sequences start over
         tables = self.inputs(batch, context, room)[3].cpu().tolist()
+        first = StepInput(
+            [SeqWork(f"d{b}", [5], context, tables[b], 0, True) for b in range(batch)]
+        )
         self.runner.overlap = overlap
-        state = {"run": 0, "position": context, "tokens": [5] * batch, "sent": False}
+        state = {"step": first}
 
         def step() -> None:
-            if state["position"] >= context + room - 1:  # start over as new requests
-                old = [f"d{state['run']}-{b}" for b in range(batch)]
-                self.runner.execute(StepInput([], finished_request_ids=old))
-                state.update(run=state["run"] + 1, position=context, sent=False)
-            seqs = [
-                SeqWork(
-                    f"d{state['run']}-{b}",
-                    [state["tokens"][b]],
-                    state["position"],
-                    [] if state["sent"] else tables[b],
-                    0,
-                    True,
-                    SamplingSpec(),
-                    block_table_start=len(tables[b]) if state["sent"] else 0,
-                )
-                for b in range(batch)
-            ]
-            output = self.runner.execute(StepInput(seqs))
-            state["tokens"] = [r.sampled_token_ids[-1] for r in output.results]
-            state["position"] += 1
-            state["sent"] = True
-
-        def window() -> float:
-            start = time.perf_counter()
-            for _ in range(reps):
-                step()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - start) * 1e3 / reps
+            current = state["step"]
+            if current.seqs[0].start_position >= context + room - 1:  # start over
+                finished = [s.request_id for s in current.seqs]
+                current = dataclasses.replace(first, finished_request_ids=finished)
+            state["step"] = next_step(current, self.runner.execute(current))
 
         try:
-            return warmed_median(window)
+            return warmed_median(wall_window(step, reps))
         finally:
-            self.runner.execute(
-                StepInput([], finished_request_ids=[f"d{state['run']}-{b}" for b in range(batch)])
-            )
+            finished = [s.request_id for s in state["step"].seqs]
+            self.runner.execute(StepInput([], finished_request_ids=finished))
             self.runner.overlap = False
+
+
+def wall_window(step, reps: int):
+    """A window for `warmed_median`: `reps` calls of `step`, wall clock, ms a call."""
+
+    def window() -> float:
+        start = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / reps
+
+    return window
 
 
 def warmed_median(window, warm_s: float = 0.2, windows: int = 5) -> float:
@@ -399,15 +389,11 @@ def mtp_round_gaps(
         "| k | share top-k | round ms (wall) | GPU kernel ms | wall - kernel ms | verify graph ms |"
     )
     print("|---|---|---|---|---|---|")
-    tables = bench.inputs(batch, context, 4)[3].cpu().tolist()
     for k in (1, 2, 3):
         for share in (False, True):
             wall = bench.round_ms(batch, context, k, share)
-            seqs = [
-                SeqWork(f"g{b}", [5] + [7] * k, context, tables[b], k, True, SamplingSpec())
-                for b in range(batch)
-            ]
-            step = StepInput(seqs, k, share)
+            step = bench.round_step(batch, context, k, share)
+            seqs = step.seqs
             for _ in range(3):
                 bench.runner.execute(step)
             torch.cuda.synchronize()

@@ -94,7 +94,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # Without MTP, a rank launches the next step's greedy decodes before this step's tokens are
-    # read, so the GPU runs while the engine does its bookkeeping (workers.model_runner._Ahead).
+    # read, so the GPU runs while the engine does its bookkeeping (workers/step_ahead.py).
     # "auto": on CUDA ranks; "on": on CPU too (no gain there: CPU work is not asynchronous);
     # "off": never.
     overlap_steps: str = "auto"

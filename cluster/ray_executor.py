@@ -87,6 +87,7 @@ class RayExecutor(Executor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from workers.step_ahead import overlap_on
         from workers.worker_actor import WorkerActor
 
         ensure_ray(config)
@@ -97,9 +98,7 @@ class RayExecutor(Executor):
         device = config.device if config.device != "auto" else ("cuda" if num_gpus else "cpu")
         pg, first_bundle = self._placement_group(ray, placement_group, num_gpus)
         spec = dataclasses.replace(worker_spec(config), device=device)
-        self.overlaps_steps = spec.overlap_steps == "on" or (
-            spec.overlap_steps == "auto" and device == "cuda"
-        )
+        self.overlaps_steps = overlap_on(spec.overlap_steps, device)
         actor_cls = ray.remote(WorkerActor)
         try:
             for rank in range(config.tp_size):

@@ -22,6 +22,12 @@ from workers.batch import SamplingSpec, SeqResult, SeqWork, StepInput
 from workers.step_tensors import StepTensors
 
 
+def overlap_on(overlap_steps: str, device_type: str) -> bool:
+    """Whether a rank on `device_type` launches steps ahead (`EngineConfig.overlap_steps`:
+    "auto" on CUDA, where the launch is asynchronous; "on" anywhere; "off" never)."""
+    return overlap_steps == "on" or (overlap_steps == "auto" and device_type == "cuda")
+
+
 def plain_greedy(spec: SamplingSpec) -> bool:
     """Greedy with nothing read but the argmax: no logits processors, no logprobs."""
     return spec.greedy and not spec.has_logits_processors and spec.num_logprobs is None
@@ -96,27 +102,20 @@ def gather_tokens(
     parts = {0: ahead.argmax_device if ahead is not None else None}
     if batch is not None:
         parts[1] = batch.argmax_device
-    kinds = {kind for kind, _ in sources}
+    kinds = sorted({kind for kind, _ in sources})
     if len(kinds) == 1:
-        kind = kinds.pop()
         rows = [row for _, row in sources]
         if rows == list(range(len(rows))):
-            return parts[kind][: len(rows)]
-    pinned = device.type == "cuda"
-    out = []
-    for kind in (0, 1):
-        rows = [row for k, row in sources if k == kind]
-        if rows:
-            index = torch.tensor(rows, dtype=torch.long, pin_memory=pinned)
-            out.append(parts[kind].index_select(0, index.to(device, non_blocking=True)))
-    if len(out) == 1:
-        return out[0]
-    # Order by the step: every ahead row, then every batch row, as `sources` interleaves.
-    order = sorted(range(len(sources)), key=lambda n: (sources[n][0], n))
-    position = torch.empty(len(sources), dtype=torch.long)
-    position[torch.tensor(order)] = torch.arange(len(sources))
-    index = position.pin_memory() if pinned else position
-    return torch.cat(out).index_select(0, index.to(device, non_blocking=True))
+            return parts[kinds[0]][: len(rows)]
+    # One index into the argmaxes the rows come from, laid end to end.
+    offset = {0: 0, 1: len(parts[0]) if kinds[0] == 0 else 0}
+    index = torch.tensor(
+        [offset[kind] + row for kind, row in sources],
+        dtype=torch.long,
+        pin_memory=device.type == "cuda",
+    )
+    source = parts[kinds[0]] if len(kinds) == 1 else torch.cat([parts[0], parts[1]])
+    return source.index_select(0, index.to(device, non_blocking=True))
 
 
 @dataclass

@@ -18,6 +18,7 @@ from workers.batch import SamplingSpec, SeqWork, StepInput, StepOutput
 from workers.kv_cache import CacheFormat, cache_bytes_per_block, max_blocks_per_seq
 from workers.model import Experts, Gate, Indexer
 from workers.model_runner import ModelRunner
+from workers.step_ahead import overlap_on
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +178,7 @@ class Worker:
             max_seq_slots,
             self.cache_format,
             cuda_graph_max_rows,
-            overlap=overlap_steps == "on"
-            or (overlap_steps == "auto" and self.device.type == "cuda"),
+            overlap=overlap_on(overlap_steps, self.device.type),
         )
 
     @classmethod

@@ -33,24 +33,30 @@ def _niceness(actor) -> int:
     return os.nice(0)
 
 
+def _tp_llm(ray, model_dir: str, **options):
+    """An LLM on Ray ranks of this test's shape (fp32, half a CPU each); the helpers that run
+    on the ranks travel by value."""
+    from cluster.llm import LLM
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return LLM(
+        model_dir, dtype="float32", actor_num_cpus=0.5, step_timeout_s=STEP_TIMEOUT_S, **options
+    )
+
+
 @pytest.mark.parametrize("tp, ep, k, share_topk, topk_broadcast", LAYOUTS)
 def test_tp_greedy_matches_tp1(
     ray_local, tiny_model_dir, prompts, tp1_tokens, tp, ep, k, share_topk, topk_broadcast
 ):
-    from cluster.llm import LLM
-
     ray = ray_local
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    llm = LLM(
+    llm = _tp_llm(
+        ray,
         tiny_model_dir,
         tp_size=tp,
         ep_size=ep,
         num_draft_tokens=k,
         share_topk=share_topk,
         topk_broadcast=topk_broadcast,
-        dtype="float32",
-        actor_num_cpus=0.5,
-        step_timeout_s=STEP_TIMEOUT_S,
     )
     try:
         outs = llm.generate(prompts, greedy_params())
@@ -78,19 +84,8 @@ def _rows_reused(actor) -> tuple[int, int]:
 def test_tp2_steps_overlap(ray_local, tiny_model_dir, prompts, tp1_tokens):
     """Every rank launches the next step's decodes ahead and takes the same rows (their
     collectives meet): TP=1's greedy tokens, and both ranks took every row the other took."""
-    from cluster.llm import LLM
-
     ray = ray_local
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    llm = LLM(
-        tiny_model_dir,
-        tp_size=2,
-        num_draft_tokens=0,
-        overlap_steps="on",
-        dtype="float32",
-        actor_num_cpus=0.5,
-        step_timeout_s=STEP_TIMEOUT_S,
-    )
+    llm = _tp_llm(ray, tiny_model_dir, tp_size=2, num_draft_tokens=0, overlap_steps="on")
     try:
         outs = llm.generate(prompts, greedy_params())
         assert [o.token_ids for o in outs] == tp1_tokens
