@@ -205,10 +205,9 @@ class MtpProposer:
         if not pairs.tokens:
             return
         if batch.graph_key is not None and not batch.graphable:
-            # The target ran as rows of a q = 1 graph: one block-table row per token. A
-            # request's table is the row of its first token.
-            first_rows = torch.tensor(batch.offsets, dtype=torch.long)
-            tables = tables.index_select(0, first_rows.to(tables.device, non_blocking=True))
+            # The target ran as rows of a q = 1 graph, whose static tables have a row per
+            # bucket row: request i's table is row i (`pack_step`), the rest padding.
+            tables = tables[: len(seqs)]
         drafts = None
         if graphed:
             drafts = self.graphs.run(pairs, hidden, tables, num_drafts, share_topk)

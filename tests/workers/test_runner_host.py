@@ -330,3 +330,42 @@ def test_rows_proposal_holds_requests_without_pair_rows(tiny_model_dir):
     assert min(rows for rows, _, _ in propose.row_graphs) >= 5  # not the 4-row bucket
     inputs = runner.proposer._inputs(pairs, hidden, tables)
     assert torch.equal(got, draft_chain(runner.model, inputs, 2, False))
+
+
+def test_rows_proposals_draft_what_eager_proposals_draft(tiny_model_dir):
+    """MTP k = 2 with prompts chunked beside verifies: every step's drafts through the graph
+    path (verify proposals and rows proposals after steps that prefill) are the eager path's,
+    request for request. Greedy identity cannot see a proposal that reads the wrong block
+    table (it only costs acceptance): the drafts themselves are compared here."""
+
+    g = torch.Generator().manual_seed(4)
+    lens = [9, 41, 3, 30, 17, 5, 12, 22]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
+    params = [
+        SamplingParams(max_tokens=12 + 2 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    options = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+
+    def drafts(graphed: bool) -> list:
+        llm = LLM(tiny_model_dir, num_draft_tokens=2, **options)
+        runner = llm.engine.executor.worker.runner
+        if graphed:
+            _, propose = _with_cpu_graphs(llm, max_batch=8, max_rows=16)
+        steps, execute = [], runner.execute
+
+        def recording(step):
+            out = execute(step)
+            steps.append([(r.request_id, r.next_draft_token_ids) for r in out.results])
+            return out
+
+        runner.execute = recording
+        generate_staggered(llm, prompts, params, every=2)
+        if graphed:
+            assert any(graph.replays for graph, _, _ in propose.row_graphs.values())
+            assert any(graph.replays for graph, _, _ in propose.graphs.values())
+        return steps
+
+    expected = drafts(False)
+    assert sum(len(d) == 2 for step in expected for _, d in step) > 50
+    assert drafts(True) == expected
