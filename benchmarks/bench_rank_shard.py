@@ -270,10 +270,12 @@ def recorded_collectives(model, state, batch: int, k: int = 0, share_topk: bool 
     graphs = DecodeGraphs(model, batch, 1, device)
     state.simulated_collectives.clear()
     with torch.no_grad():
-        graphs._forward(*graphs._static_inputs(batch, 1 + k))
+        layout, inputs = graphs._static_inputs(batch, 1 + k)
+        outputs = graphs._forward(layout, inputs)
         if k:
+            decided = torch.full((2, batch), -1, dtype=torch.long, device=device)
             propose = ProposeGraphs(model, graphs)
-            propose._forward(propose._verify_buffers(batch, k), k, share_topk)
+            propose.after_verify(layout, inputs, outputs, k, share_topk, decided)
     return list(state.simulated_collectives)
 
 

@@ -203,26 +203,78 @@ class ProposeGraphs:
     """CUDA graphs of a whole MTP proposal (workers.mtp_proposer.draft_chain): draft step 0
     over the step's pair rows, then steps 1..k-1.
 
-    After a verify step (`run`): k + 1 pair rows per request, keyed by (batch bucket, k, top-k
-    sharing); rows of pairs a request does not have write no cache slot. After any other step
-    whose target ran as rows of a q = 1 graph (prompts arriving beside verifies, `run_rows`):
-    any pair rows, each with its own request's block-table row, keyed by (row bucket, k,
-    sharing); up to max_batch requests draft from them (padding rows draft nothing and write
-    nothing)."""
+    After a step of verifies only (`run`): the pair rows are built inside the graph
+    (`verify_pairs`) from the static inputs and outputs of the verify's own graph, keyed by
+    (batch bucket, q, k, top-k sharing) with q the verify's rows per request; its one input is
+    each request's acceptance ([2, bucket]: drafts accepted and token, -1 where the argmax
+    decides). After any other step whose target ran as rows of a q = 1 graph (prompts arriving
+    beside verifies, `run_rows`): any pair rows, each with its own request's block-table row,
+    keyed by (row bucket, k, sharing); up to max_batch requests draft from them (padding rows
+    draft nothing and write nothing)."""
 
     def __init__(self, model, decode_graphs: DecodeGraphs):
         self.model = model
         self.decode = decode_graphs
         self.device = decode_graphs.device
+        # (bucket, q, k, share) -> (graph, static acceptance [2, bucket], drafts [bucket, k])
         self.graphs: dict[
-            tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]
+            tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
         ] = {}
         self.row_graphs: dict[
             tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]
         ] = {}
 
+    def after_verify(
+        self,
+        layout: StepLayout,  # the verify's: q = layout.num_rows // layout.num_table_rows
+        inputs: torch.Tensor,  # its packed inputs
+        outputs: tuple[torch.Tensor, ...],  # its (hidden, logits, argmax)
+        k: int,
+        share: bool,
+        decided: torch.Tensor,  # [2, layout.num_table_rows], as `run` takes it
+    ) -> torch.Tensor:
+        """What a proposal graph runs: the proposal after a verify, from its tensors."""
+        from workers.mtp_proposer import draft_chain, verify_pairs
+
+        ids, positions, slots, seq_idx, tables = layout.views(inputs)
+        meta = AttentionMetadata(positions, slots, seq_idx, tables)
+        hidden, _, argmax = outputs
+        q = layout.num_rows // layout.num_table_rows
+        pairs = verify_pairs(ids, meta, hidden, argmax, decided, q)
+        return draft_chain(self.model, pairs, k, share)
+
+    def capture(
+        self, batch: int, q: int, k: int, share: bool, decided: torch.Tensor | None = None
+    ) -> None:
+        """The proposal after the verify graph (batch, q), captured first if new. Its warm-up
+        runs read the verify's static tensors as they are (padding before any step: nothing
+        written; on first use, the step's own rows, with `decided` as `run` gives it)."""
+        if (batch, q) not in self.decode.graphs:
+            self.decode.capture(batch, q)
+        static = torch.full((2, batch), -1, dtype=torch.long, device=self.device)
+        if decided is not None:
+            static.copy_(decided)
+        _, inputs, outputs = self.decode.graphs[(batch, q)]
+        layout = self.decode.layout(batch, q)
+        graph, out = self.decode.capture_graph(
+            lambda: self.after_verify(layout, inputs, outputs, k, share, static)
+        )
+        self.graphs[(batch, q, k, share)] = (graph, static, out)
+
+    def run(self, decided: torch.Tensor, num_seqs: int, q: int, k: int, share: bool):
+        """The proposal after the verify graph of (num_seqs, q) that replayed last -> drafts
+        [num_seqs, k] (device). `decided`: [2, bucket] (pinned on CUDA), each request's drafts
+        accepted and token, -1 where the graph takes them from the argmax; -1 for padding."""
+        key = (self.decode.bucket(num_seqs, q), q, k, share)
+        if key not in self.graphs:
+            self.capture(*key, decided)
+        graph, static, out = self.graphs[key]
+        static.copy_(decided, non_blocking=True)
+        graph.replay()
+        return out[:num_seqs]
+
     def _buffers(self, rows: int, num_tables: int, num_drafting: int) -> dict:
-        """A graph's static inputs: `rows` pair rows (none writing a slot until loaded),
+        """A rows graph's static inputs: `rows` pair rows (none writing a slot until loaded),
         `num_tables` block-table rows, `num_drafting` drafting requests."""
         d = self.device
         return dict(
@@ -240,13 +292,6 @@ class ProposeGraphs:
             valid=torch.zeros(num_drafting, dtype=torch.bool, device=d),
         )
 
-    def _verify_buffers(self, batch: int, k: int) -> dict:
-        """The verify layout's: k + 1 rows per request, each request drafting from its first."""
-        buf = self._buffers(batch * (k + 1), batch, batch)
-        buf["seq_idx"].copy_(torch.arange(batch, device=self.device).repeat_interleave(k + 1))
-        buf["last_rows"].copy_(torch.arange(batch, device=self.device) * (k + 1))
-        return buf
-
     def _forward(self, buf: dict, k: int, share: bool) -> torch.Tensor:
         from workers.mtp_proposer import DraftInputs, draft_chain
 
@@ -256,19 +301,12 @@ class ProposeGraphs:
         inputs = DraftInputs(buf["tokens"], buf["hidden"], meta, buf["last_rows"], buf["valid"])
         return draft_chain(self.model, inputs, k, share)
 
-    def _capture_into(self, store: dict, key: tuple[int, int, bool], buf: dict) -> None:
-        _, k, share = key
-        graph, out = self.decode.capture_graph(lambda: self._forward(buf, k, share))
-        store[key] = (graph, buf, out)
-
-    def _capture(self, batch: int, k: int, share: bool) -> None:
-        self._capture_into(self.graphs, (batch, k, share), self._verify_buffers(batch, k))
-
     def capture_rows(self, rows: int, k: int, share: bool) -> None:
         # A step has at most max_batch requests, so at most that many draft: the draft steps
         # (and their LM head) run over that many rows, not over every pair row.
         buf = self._buffers(rows, rows, min(rows, self.decode.max_batch))
-        self._capture_into(self.row_graphs, (rows, k, share), buf)
+        graph, out = self.decode.capture_graph(lambda: self._forward(buf, k, share))
+        self.row_graphs[(rows, k, share)] = (graph, buf, out)
 
     def run_rows(
         self,
@@ -317,37 +355,3 @@ class ProposeGraphs:
         buf["valid"][:num_drafting] = True
         graph.replay()
         return out[:num_drafting]
-
-    def run(
-        self,
-        pairs,  # workers.mtp_proposer.DraftPairs, padded to k + 1 rows per request
-        hidden: torch.Tensor,  # the verify step's target hidden states
-        block_tables: torch.Tensor,  # [R, width]
-        k: int,
-        share: bool,
-    ) -> torch.Tensor:
-        """-> drafts [R, k] (device)."""
-        num_seqs = block_tables.shape[0]
-        batch = self.decode.bucket(num_seqs)
-        key = (batch, k, share)
-        if key not in self.graphs:
-            self._capture(batch, k, share)
-        graph, buf, out = self.graphs[key]
-        n = num_seqs * (k + 1)
-        assert len(pairs.tokens) == n and not pairs.pending_hidden
-        host = torch.tensor(
-            [pairs.tokens, pairs.hidden_rows, pairs.positions, pairs.slots], dtype=torch.long
-        )
-        host = host.to(self.device, non_blocking=True)
-        buf["tokens"][:n].copy_(host[0])
-        buf["hidden"][:n].copy_(hidden.index_select(0, host[1]))
-        buf["positions"][:n].copy_(host[2])
-        buf["slot_mapping"][:n].copy_(host[3])
-        buf["slot_mapping"][n:].fill_(-1)
-        buf["block_tables"].zero_()
-        buf["block_tables"][:num_seqs, : block_tables.shape[1]].copy_(block_tables)
-        buf["last_rows"][:num_seqs].copy_(torch.tensor(pairs.last_rows, device=self.device))
-        buf["valid"].zero_()
-        buf["valid"][:num_seqs] = True
-        graph.replay()
-        return out[:num_seqs]

@@ -5,7 +5,9 @@ propose.
   1. prepare: the flattened batch's tensors (prefill chunks and verifies mixed), built on the host;
   2. forward: the target over every token (a CUDA graph for decode steps on GPU);
   3. sample: per sampling request, accept drafts / sample (workers.sampler);
-  4. propose: the MTP layer drafts the next k (workers.mtp_proposer, the round's one home).
+  4. propose: the MTP layer drafts the next k (workers.mtp_proposer, the round's one home);
+     after a step of plain greedy verifies, launched behind the forward, before step 3 reads a
+     token (the acceptance on the device).
 """
 
 from __future__ import annotations
@@ -133,9 +135,12 @@ class ModelRunner:
         reused = ahead.reusable(step) if ahead is not None else {}
         rest = [i for i in range(len(step.seqs)) if i not in reused]
         batch = hidden = logits = argmax = None
+        drafting = self.proposer is not None and step.num_draft_tokens > 0
         if rest:
             batch = self._prepare([step.seqs[i] for i in rest], [tables[i] for i in rest])
             hidden, logits, argmax = self._forward(batch)
+            if drafting:  # plain greedy verifies: the proposal goes on behind the forward
+                self.proposer.launch_early(step, batch, hidden)
         # A step whose rows' logits are read after the forward (draws, logits processors,
         # logprobs) launches ahead only once they are read: a replay of the same graph would
         # rewrite them.
@@ -153,7 +158,7 @@ class ModelRunner:
         if batch is not None:
             for i, result in zip(rest, self._sample(batch, logits, argmax)):
                 results[i] = result
-            if self.proposer is not None and step.num_draft_tokens > 0:
+            if drafting:
                 self._agree_on_samples(batch.seqs, results)
                 self.proposer.propose(step, batch, hidden, results)
         if overlap and ahead_after:

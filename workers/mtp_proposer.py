@@ -3,7 +3,8 @@
 `MtpProposer` owns everything the proposal needs between and within steps: the target hidden
 state a request's unfinished prefill left pending, the CUDA graphs of whole proposals, and top-k
 sharing between draft steps (an argument of `draft_chain`, see workers.topk_share). One host-side
-builder, `build_pairs`, turns a step into the proposal's inputs for eager and graphed runs alike.
+builder, `build_pairs`, turns a step into the proposal's inputs; after a step of verifies only,
+`verify_pairs` builds the same rows on the device, eagerly or inside the proposal's graph.
 
 Draft step 0 runs over every (h_i, t_{i+1}) pair the step made known: the target's hidden state
 after the final norm at position i and the token that followed it, at rotary position i. The
@@ -15,8 +16,10 @@ Worked example (block size 64; request 0's blocks [7, 3]):
     d1 and then sampled t, so results[0].sampled_token_ids = [d1, t]. Known now: the token after
     position 70 is d1, after 71 it is t. Pairs: (h_70, d1) at position 70 and (h_71, t) at 71,
     the latter the last accepted row. Slots: block 3 (positions 64..127), so 3 * 64 + 6 = 198 and
-    199. For a CUDA graph the request is padded to k + 1 = 3 rows: (h_71, 0) at position 72 with
-    slot -1 (it writes nothing, and position 72 may lie past the blocks allocated).
+    199. A step of verifies only builds its pairs on the device (`verify_pairs`), each request
+    keeping its verify's k + 1 = 3 rows: the third is (h_71, 0) at position 72 with slot -1 (it
+    writes nothing). Its acceptance comes from the step's argmax there for plain greedy requests,
+    so their proposal is launched right behind the verify, before the host reads a token.
   - A prompt of 100 tokens prefilled in chunks of 64: the first chunk (positions 0..63) makes
     pairs (h_0, t_1) .. (h_62, t_63) known and leaves h_63 pending (t_64 is not known yet); no
     request drafts, but step 0 still runs so the MTP cache holds those positions. The second
@@ -80,7 +83,6 @@ def build_pairs(
     *,
     pending: dict[str, _Pending],  # consumed and refilled: see _Pending
     block_size: int,
-    pad_to: int | None = None,  # rows per request, for a CUDA graph (every request a verify)
 ) -> DraftPairs:
     """The proposal's pair rows for one step (the module docstring works an example)."""
     pairs = DraftPairs()
@@ -88,7 +90,6 @@ def build_pairs(
     offsets = batch.offsets
     for i, (s, res) in enumerate(zip(batch.seqs, results)):
         blocks = batch.block_tables[i]
-        first_row = len(pairs.tokens)
         # Tokens now known after positions start, start+1, ..: the rest of this chunk, then
         # what was sampled (accepted drafts + the target's token) for a sampling step.
         accepted_len = len(s.token_ids) - s.num_draft_tokens
@@ -114,10 +115,6 @@ def build_pairs(
             pending[s.request_id] = _Pending(
                 hidden[offsets[i] + end].clone(), s.start_position + end
             )
-        if pad_to is not None:
-            last = pairs.hidden_rows[-1]
-            for r in range(len(pairs.tokens) - first_row, pad_to):
-                pairs.add(last, 0, i, s.start_position + r, -1)
     return pairs
 
 
@@ -134,6 +131,63 @@ class DraftInputs:
     meta: AttentionMetadata  # positions i, slots, block-table rows of the pairs
     last_rows: torch.Tensor  # [R] each drafting request's last accepted row
     valid: torch.Tensor  # [R] bool; False for a graph's padded requests (they write nothing)
+
+
+def verify_pairs(
+    input_ids: torch.Tensor,  # [B * q] each request's last token, then its q - 1 drafts
+    meta: AttentionMetadata,  # the verify step's (positions, slots, seq_idx, tables)
+    hidden: torch.Tensor,  # [>= B * q, hidden] the verify's target hidden states
+    argmax: torch.Tensor,  # [>= B * q] the argmax of each row's logits
+    decided: torch.Tensor,  # [2, B] drafts accepted, the target's token; -1: from the argmax
+    q: int,
+) -> DraftInputs:
+    """The proposal's pair rows after a step of B verifies of q rows each, on the device: the
+    rows `build_pairs` makes, each request padded to q rows (the module docstring's example).
+
+    A request whose `decided` entry is -1 (plain greedy) accepts its drafts while they equal the
+    argmax of the row before, and its token is the argmax of the row after them; the others'
+    come from the host (draws, logits processors). Pair row r of a request that accepted a
+    drafts: the verify's hidden state at row min(r, a), at the verify's position r; the token
+    after it is draft r (r < a) or the target's token (r = a); rows past a write no slot. A
+    request drafts from row a. Pure device work with no host sync: the same code runs eagerly
+    and inside the proposal's CUDA graph."""
+    num_seqs = decided.shape[1]
+    n = num_seqs * q
+    device = input_ids.device
+    ids = input_ids[:n].view(num_seqs, q)
+    targets = argmax[:n].view(num_seqs, q)
+    drafts = ids[:, 1:]
+    leading = (drafts == targets[:, :-1]).long().cumprod(1).sum(1)  # [B] drafts the argmax took
+    greedy = decided[0] < 0
+    accepted = torch.where(greedy, leading, decided[0])
+    token = torch.where(greedy, targets.gather(1, leading[:, None])[:, 0], decided[1])
+    rows = torch.arange(q, device=device).expand(num_seqs, q)
+    pair = rows <= accepted[:, None]
+    known = torch.cat([drafts, torch.zeros_like(ids[:, :1])], 1)  # draft r after row r
+    tokens = torch.where(rows == accepted[:, None], token[:, None], known)
+    first = torch.arange(num_seqs, device=device) * q
+    hidden_rows = first[:, None] + torch.minimum(rows, accepted[:, None])
+    slots = meta.slot_mapping[:n].view(num_seqs, q)
+    return DraftInputs(
+        tokens=torch.where(pair, tokens, 0).view(n),
+        hidden=hidden.index_select(0, hidden_rows.view(n)),
+        meta=AttentionMetadata(
+            meta.positions[:n],
+            torch.where(pair, slots, -1).view(n),
+            meta.seq_idx[:n],
+            meta.block_tables,
+        ),
+        last_rows=first + accepted,
+        valid=slots[:, 0] >= 0,  # a graph bucket's padding requests write nothing
+    )
+
+
+def verify_rows(batch: StepTensors) -> int | None:
+    """q when every request of the step verifies q - 1 drafts (q rows each), else None."""
+    q = len(batch.seqs[0].token_ids)
+    if all(s.samples and len(s.token_ids) == q == 1 + s.num_draft_tokens for s in batch.seqs):
+        return q
+    return None
 
 
 def draft_chain(model, inputs: DraftInputs, num_drafts: int, share_topk: bool) -> torch.Tensor:
@@ -177,43 +231,51 @@ class MtpProposer:
         for rid in request_ids:
             self.pending.pop(rid, None)
 
+    def launch_early(self, step: StepInput, batch: StepTensors, hidden: torch.Tensor) -> None:
+        """Right after the target's forward: when every request verifies and is plain greedy
+        (no draws, no logits processors), the proposal needs nothing from the host, so it is
+        launched now, behind the verify on the device, its drafts on their way to the host
+        (`batch.proposal`); `propose` then only reads them."""
+        q = self._verify_rows(batch)
+        greedy = all(s.sampling.greedy and not s.sampling.has_logits_processors for s in batch.seqs)
+        if q is not None and greedy:
+            batch.proposal = self._launch(step, batch, hidden, q, None)
+
     def propose(
         self, step: StepInput, batch: StepTensors, hidden: torch.Tensor, results: list[SeqResult]
     ) -> None:
         """Sets results[i].next_draft_token_ids for every request that sampled this step;
         `hidden` [T, hidden] holds the step's target hidden states.
 
-        After a verify step whose target replayed its graph: the verify layout's proposal graph
-        (k + 1 rows per request). After a step whose target ran as rows of a q = 1 graph
-        (prompts beside verifies): a rows proposal graph, unless its pair rows exceed the
-        largest row bucket. Otherwise (and on CPU) eagerly."""
+        After a step of verifies only: the proposal from `verify_pairs` (the proposal graph
+        after the verify's when its target replayed one), launched by `launch_early` already
+        when no request needed the host's acceptance. After a step whose target ran as rows of
+        a q = 1 graph (prompts beside verifies): a rows proposal graph, unless its pair rows
+        exceed the largest row bucket. Otherwise (and on CPU) eagerly."""
         seqs, num_drafts = batch.seqs, step.num_draft_tokens
-        graphed = (
-            self.graphs is not None
-            and batch.graphable
-            and not any(s.request_id in self.pending for s in seqs)
-        )
+        if batch.proposal is None and (q := self._verify_rows(batch)) is not None:
+            decided = [(r.num_accepted_drafts, r.sampled_token_ids[-1]) for r in results]
+            batch.proposal = self._launch(step, batch, hidden, q, decided)
+        if batch.proposal is not None:
+            drafts, copied = batch.proposal
+            if copied is not None:
+                copied.synchronize()
+            for result, proposal in zip(results, drafts.tolist()):
+                result.next_draft_token_ids = proposal
+            return
         pairs = build_pairs(
-            batch,
-            results,
-            hidden,
-            pending=self.pending,
-            block_size=self.block_size,
-            pad_to=num_drafts + 1 if graphed else None,
+            batch, results, hidden, pending=self.pending, block_size=self.block_size
         )
         tables, share_topk = batch.meta.block_tables, step.share_topk
         if not pairs.tokens:
             return
-        if batch.graph_key is not None and not batch.graphable:
-            # The target ran as rows of a q = 1 graph, whose static tables have a row per
-            # bucket row: request i's table is row i (`pack_step`), the rest padding.
-            tables = tables[: len(seqs)]
         drafts = None
-        if graphed:
-            drafts = self.graphs.run(pairs, hidden, tables, num_drafts, share_topk)
-        elif self.graphs is not None and batch.graph_key is not None:
-            # The target ran as rows of a q = 1 graph (prompts beside verifies): the proposal
-            # as rows of a graph too, unless its pair rows exceed the largest row bucket.
+        if self.graphs is not None and batch.graph_key is not None:
+            # The target ran as rows of a q = 1 graph (prompts beside verifies), whose static
+            # tables have a row per bucket row: request i's is row i (`pack_step`). The
+            # proposal runs as rows of a graph too, unless its pair rows exceed the largest
+            # row bucket.
+            tables = tables[: len(seqs)]
             drafts = self.graphs.run_rows(pairs, hidden, tables, num_drafts, share_topk)
         if drafts is None:
             inputs = self._inputs(pairs, hidden, tables)
@@ -225,6 +287,53 @@ class MtpProposer:
             drafts = draft_chain(self.model, inputs, num_drafts, share_topk)
         for i, proposal in zip(pairs.drafting_seqs, drafts.tolist()):
             results[i].next_draft_token_ids = proposal
+
+    def _verify_rows(self, batch: StepTensors) -> int | None:
+        """q when the step is verifies only (`verify_rows`), its target ran eagerly or as its
+        own verify graph, and no request holds a pending hidden state (a verify never does;
+        `build_pairs` would consume one)."""
+        if self.graphs is not None and batch.graph_key is not None and not batch.graphable:
+            return None  # ran as rows of a q = 1 graph: the rows proposal graph's (`propose`)
+        if any(s.request_id in self.pending for s in batch.seqs):
+            return None
+        return verify_rows(batch)
+
+    def _launch(
+        self,
+        step: StepInput,
+        batch: StepTensors,
+        hidden: torch.Tensor,
+        q: int,
+        decided: list[tuple[int, int]] | None,  # per request (drafts accepted, token); None: argmax
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The proposal after a step of verifies only (`verify_pairs`) -> its drafts [B, k] and,
+        on CUDA, the event of their copy to the host (pinned), started here."""
+        num_seqs, k, share = len(batch.seqs), step.num_draft_tokens, step.share_topk
+        device = hidden.device
+        graphed = self.graphs is not None and batch.graphable
+        width = self.graphs.decode.bucket(num_seqs, q) if graphed else num_seqs
+        host = torch.full((2, width), -1, dtype=torch.long, pin_memory=device.type == "cuda")
+        if decided is not None:
+            host[:, :num_seqs] = torch.tensor(decided, dtype=torch.long).T
+        if graphed:
+            drafts = self.graphs.run(host, num_seqs, q, k, share)
+        else:
+            inputs = verify_pairs(
+                batch.input_ids,
+                batch.meta,
+                hidden,
+                batch.argmax_device,
+                host.to(device, non_blocking=True),
+                q,
+            )
+            drafts = draft_chain(self.model, inputs, k, share)
+        if device.type != "cuda":
+            return drafts, None
+        pinned = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+        pinned.copy_(drafts, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return pinned, copied
 
     def _inputs(self, pairs: DraftPairs, hidden: torch.Tensor, tables: torch.Tensor):
         device = hidden.device

@@ -115,7 +115,7 @@ def warm_up_keys(
     for batch in buckets:
         keys.append(("decode", (batch, 1 + num_draft_tokens)))
         if num_draft_tokens and with_proposals:
-            keys.append(("propose", (batch, num_draft_tokens, share_topk)))
+            keys.append(("propose", (batch, 1 + num_draft_tokens, num_draft_tokens, share_topk)))
     for rows in row_buckets or []:
         if ("decode", (rows, 1)) not in keys:
             keys.append(("decode", (rows, 1)))
@@ -273,7 +273,7 @@ class Worker:
             if kind == "decode" and key not in graphs.graphs:
                 graphs.capture(*key)
             elif kind == "propose" and key not in propose.graphs:
-                propose._capture(*key)
+                propose.capture(*key)
             elif kind == "propose_rows" and key not in propose.row_graphs:
                 propose.capture_rows(*key)
         sampler = self.runner.sampler_graphs  # no collectives: any order, any rank

@@ -334,9 +334,9 @@ def test_rows_proposal_holds_requests_without_pair_rows(tiny_model_dir):
 
 def test_rows_proposals_draft_what_eager_proposals_draft(tiny_model_dir):
     """MTP k = 2 with prompts chunked beside verifies: every step's drafts through the graph
-    path (verify proposals and rows proposals after steps that prefill) are the eager path's,
-    request for request. Greedy identity cannot see a proposal that reads the wrong block
-    table (it only costs acceptance): the drafts themselves are compared here."""
+    path (verify proposals, launched behind the verify, and rows proposals after steps that
+    prefill) are the eager path's, request for request. Greedy identity cannot see a proposal
+    that reads the wrong block table (it only costs acceptance): the drafts are compared."""
 
     g = torch.Generator().manual_seed(4)
     lens = [9, 41, 3, 30, 17, 5, 12, 22]
@@ -352,15 +352,22 @@ def test_rows_proposals_draft_what_eager_proposals_draft(tiny_model_dir):
         runner = llm.engine.executor.worker.runner
         if graphed:
             _, propose = _with_cpu_graphs(llm, max_batch=8, max_rows=16)
-        steps, execute = [], runner.execute
+        steps, execute, launch_early = [], runner.execute, runner.proposer.launch_early
+        early = []
 
         def recording(step):
             out = execute(step)
             steps.append([(r.request_id, r.next_draft_token_ids) for r in out.results])
             return out
 
-        runner.execute = recording
+        def launching(step, batch, hidden):
+            launch_early(step, batch, hidden)
+            early.append(batch.proposal is not None)
+
+        runner.execute, runner.proposer.launch_early = recording, launching
         generate_staggered(llm, prompts, params, every=2)
+        # Steps of verifies only (greedy here) launched their proposal behind the forward.
+        assert 10 < sum(early) < len(early)
         if graphed:
             assert any(graph.replays for graph, _, _ in propose.row_graphs.values())
             assert any(graph.replays for graph, _, _ in propose.graphs.values())

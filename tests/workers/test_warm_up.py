@@ -25,9 +25,9 @@ def test_warm_up_keys_cover_every_bucket_in_one_order():
     ]
     assert warm_up_keys([1, 8], 3, True, True) == [
         ("decode", (1, 4)),
-        ("propose", (1, 3, True)),
+        ("propose", (1, 4, 3, True)),
         ("decode", (8, 4)),
-        ("propose", (8, 3, True)),
+        ("propose", (8, 4, 3, True)),
     ]
     assert warm_up_keys([1, 8], 2, False, False) == [("decode", (1, 3)), ("decode", (8, 3))]
     assert warm_up_keys([], 2, False, True) == []  # eager: nothing
@@ -39,7 +39,7 @@ def test_warm_up_keys_cover_every_bucket_in_one_order():
     ]
     assert warm_up_keys([1], 1, False, True, [1, 2]) == [
         ("decode", (1, 2)),
-        ("propose", (1, 1, False)),
+        ("propose", (1, 2, 1, False)),
         ("decode", (1, 1)),
         ("propose_rows", (1, 1, False)),
         ("decode", (2, 1)),
@@ -59,12 +59,8 @@ class _Graphs:
         self.log.append(("propose_rows", key))
         self.row_graphs[key] = object()
 
-    def capture(self, *key):
-        self.log.append(("decode", key))
-        self.graphs[key] = object()
-
-    def _capture(self, *key):
-        self.log.append(("propose", key))
+    def capture(self, *key):  # DecodeGraphs: (batch, q); ProposeGraphs: (batch, q, k, share)
+        self.log.append(("propose" if len(key) == 4 else "decode", key))
         self.graphs[key] = object()
 
 
@@ -115,7 +111,8 @@ def test_worker_captures_the_row_buckets(worker, monkeypatch):
         worker.warm_up(1, False)
         decode = [(1, 2), (2, 2), (4, 2), (1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]
         assert [key for kind, key in log if kind == "decode"] == decode
-        assert [key for kind, key in log if kind == "propose"] == [(b, 1, False) for b in (1, 2, 4)]
+        proposals = [(b, 2, 1, False) for b in (1, 2, 4)]
+        assert [key for kind, key in log if kind == "propose"] == proposals
         rows = [key for kind, key in log if kind == "propose_rows"]
         assert rows == [(b, 1, False) for b in (1, 2, 4, 8, 16)]
     finally:
