@@ -318,13 +318,14 @@ def test_rows_proposal_holds_requests_without_pair_rows(tiny_model_dir):
     llm = LLM(tiny_model_dir, num_draft_tokens=2, dtype="float32", max_num_seqs=4)
     graphs, propose = _with_cpu_graphs(llm, max_batch=4, max_rows=8)
     runner = llm.engine.executor.worker.runner
-    hidden = torch.randn(4, runner.model.config.hidden_size)
+    device = runner.device  # the stand-in graphs run on a GPU machine's device too
+    hidden = torch.randn(4, runner.model.config.hidden_size, device=device)
     pairs = DraftPairs()
     for row in range(4):  # requests 0..3 one pair row each, at positions 5.., writing nothing
         pairs.add(row, 7 + row, row, 5 + row, -1)
     pairs.drafting_seqs, pairs.last_rows = [0, 1, 2, 3], [0, 1, 2, 3]
     # 5 requests, blocks of their own (request 4 has no pair row)
-    tables = torch.arange(1, 11, dtype=torch.int32).view(5, 2)
+    tables = torch.arange(1, 11, dtype=torch.int32, device=device).view(5, 2)
     got = propose.run_rows(pairs, hidden, tables, 2, False)
     assert got is not None and got.shape == (4, 2)
     assert min(rows for rows, _, _ in propose.row_graphs) >= 5  # not the 4-row bucket
