@@ -36,6 +36,7 @@ from workers.step_tensors import pack_step
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
+GREEDY = SamplingSpec()
 BLOCK = 64
 BATCHES = (1, 8, 32)
 CONTEXTS = (1024, 8192, 32768)
@@ -216,19 +217,30 @@ class DecodeBench:
         with_pdl(pdl)
         return DecodeGraphs(self.model, max_batch, self.max_blocks, CUDA)
 
-    def round_step(self, batch: int, context: int, k: int, share: bool) -> StepInput:
-        """One MTP round's step of `batch` sequences at `context`: verify 1 + k tokens."""
+    def round_step(
+        self, batch: int, context: int, k: int, share: bool, sampling: SamplingSpec = GREEDY
+    ) -> StepInput:
+        """One MTP round's step of `batch` sequences at `context`: verify 1 + k tokens
+        (greedy unless `sampling` says otherwise)."""
         tables = self.inputs(batch, context, k + 1)[3].cpu().tolist()
         seqs = [
-            SeqWork(f"r{b}", [5] + [7] * k, context, tables[b], k, True, SamplingSpec())
+            SeqWork(f"r{b}", [5] + [7] * k, context, tables[b], k, True, sampling)
             for b in range(batch)
         ]
         return StepInput(seqs, k, share)
 
-    def round_ms(self, batch: int, context: int, k: int, share: bool, reps: int = 5) -> float:
+    def round_ms(
+        self,
+        batch: int,
+        context: int,
+        k: int,
+        share: bool,
+        reps: int = 5,
+        sampling: SamplingSpec = GREEDY,
+    ) -> float:
         """A whole MTP round through the runner: verify 1 + k, draft step 0, steps 1..k-1
         (`warmed_median` of windows of `reps` rounds, host time included)."""
-        step = self.round_step(batch, context, k, share)
+        step = self.round_step(batch, context, k, share, sampling)
         return warmed_median(wall_window(lambda: self.runner.execute(step), reps))
 
     def decode_steps_ms(self, batch: int, context: int, overlap: bool, reps: int = 20) -> float:
@@ -386,40 +398,42 @@ def mtp_round_gaps(
     bench.runner.proposer = MtpProposer(model, BLOCK, graphs)
     print(f"MTP rounds at b={batch}, context {context} (graphs, PDL on):")
     print(
-        "| k | share top-k | round ms (wall) | GPU kernel ms | wall - kernel ms | verify graph ms |"
+        "| k | share top-k | requests | round ms (wall) | GPU kernel ms | wall - kernel ms "
+        "| verify graph ms |"
     )
-    print("|---|---|---|---|---|---|")
-    for k in (1, 2, 3):
-        for share in (False, True):
-            wall = bench.round_ms(batch, context, k, share)
-            step = bench.round_step(batch, context, k, share)
-            seqs = step.seqs
-            for _ in range(3):
+    print("|---|---|---|---|---|---|---|")
+    drawn = SamplingSpec(temperature=1.0)
+    runs = [(k, share, GREEDY) for k in (1, 2, 3) for share in (False, True)]
+    runs += [(k, False, drawn) for k in (1, 2, 3)]  # the proposal behind the batched draw
+    for k, share, sampling in runs:
+        wall = bench.round_ms(batch, context, k, share, sampling=sampling)
+        step = bench.round_step(batch, context, k, share, sampling)
+        seqs = step.seqs
+        for _ in range(3):
+            bench.runner.execute(step)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
                 bench.runner.execute(step)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
+        if trace and k == 1 and not share and sampling.greedy:  # the host side: the gaps
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=activities, with_stack=True) as timeline:
+                for _ in range(5):
                     bench.runner.execute(step)
                 torch.cuda.synchronize()
-            if trace and k == 1 and not share:  # the host's side too: where the gaps are
-                activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-                with profile(activities=activities, with_stack=True) as timeline:
-                    for _ in range(5):
-                        bench.runner.execute(step)
-                    torch.cuda.synchronize()
-                os.makedirs(trace, exist_ok=True)
-                timeline.export_chrome_trace(os.path.join(trace, "mtp_round_k1.json"))
-            busy = sum(
-                e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"
-            )
-            busy_ms = busy / 20 / 1e3
-            bench.runner.execute(StepInput([], finished_request_ids=[s.request_id for s in seqs]))
-            with torch.inference_mode():  # the runner captured the verify graph in it
-                verify = bench.graph_ms(graphs, batch, context, k + 1)
-            print(
-                f"| {k} | {share} | {wall:.3f} | {busy_ms:.3f} | {wall - busy_ms:.3f} "
-                f"| {verify:.3f} |"
-            )
+            os.makedirs(trace, exist_ok=True)
+            timeline.export_chrome_trace(os.path.join(trace, "mtp_round_k1.json"))
+        busy = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+        busy_ms = busy / 20 / 1e3
+        bench.runner.execute(StepInput([], finished_request_ids=[s.request_id for s in seqs]))
+        with torch.inference_mode():  # the runner captured the verify graph in it
+            verify = bench.graph_ms(graphs, batch, context, k + 1)
+        kind = "greedy" if sampling.greedy else "sampled"
+        print(
+            f"| {k} | {share} | {kind} | {wall:.3f} | {busy_ms:.3f} | {wall - busy_ms:.3f} "
+            f"| {verify:.3f} |"
+        )
 
 
 def pdl_per_kernel(bench: DecodeBench, batch: int = 1, contexts=(1024, 8192)) -> None:

@@ -216,7 +216,7 @@ class ProposeGraphs:
         self.model = model
         self.decode = decode_graphs
         self.device = decode_graphs.device
-        # (bucket, q, k, share) -> (graph, static acceptance [2, bucket], drafts [bucket, k])
+        # (bucket, q, k, share) -> (graph, static acceptance [2, bucket], rows [bucket, k + 2])
         self.graphs: dict[
             tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
         ] = {}
@@ -233,15 +233,15 @@ class ProposeGraphs:
         share: bool,
         decided: torch.Tensor,  # [2, layout.num_table_rows], as `run` takes it
     ) -> torch.Tensor:
-        """What a proposal graph runs: the proposal after a verify, from its tensors."""
-        from workers.mtp_proposer import draft_chain, verify_pairs
+        """What a proposal graph runs: the proposal after a verify, from its tensors (rows
+        [bucket, k + 2], `workers.mtp_proposer.after_verify`)."""
+        from workers.mtp_proposer import after_verify
 
         ids, positions, slots, seq_idx, tables = layout.views(inputs)
         meta = AttentionMetadata(positions, slots, seq_idx, tables)
         hidden, _, argmax = outputs
         q = layout.num_rows // layout.num_table_rows
-        pairs = verify_pairs(ids, meta, hidden, argmax, decided, q)
-        return draft_chain(self.model, pairs, k, share)
+        return after_verify(self.model, ids, meta, hidden, argmax, decided, q, k, share)
 
     def capture(
         self, batch: int, q: int, k: int, share: bool, decided: torch.Tensor | None = None
@@ -262,9 +262,10 @@ class ProposeGraphs:
         self.graphs[(batch, q, k, share)] = (graph, static, out)
 
     def run(self, decided: torch.Tensor, num_seqs: int, q: int, k: int, share: bool):
-        """The proposal after the verify graph of (num_seqs, q) that replayed last -> drafts
-        [num_seqs, k] (device). `decided`: [2, bucket] (pinned on CUDA), each request's drafts
-        accepted and token, -1 where the graph takes them from the argmax; -1 for padding."""
+        """The proposal after the verify graph of (num_seqs, q) that replayed last -> rows
+        [num_seqs, k + 2] (device): drafts, then what each request was taken to accept.
+        `decided`: [2, bucket] (pinned host, or device), each request's drafts accepted and
+        token, -1 where the graph takes them from the argmax; -1 for padding."""
         key = (self.decode.bucket(num_seqs, q), q, k, share)
         if key not in self.graphs:
             self.capture(*key, decided)

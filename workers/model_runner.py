@@ -156,7 +156,10 @@ class ModelRunner:
                 results[i] = result
             self.num_rows_reused += len(reused)
         if batch is not None:
-            for i, result in zip(rest, self._sample(batch, logits, argmax)):
+            on_draws = None  # verifies that draw: the proposal goes on behind the draw
+            if drafting and batch.proposal is None:
+                on_draws = self.proposer.after_draws(step, batch, hidden)
+            for i, result in zip(rest, self._sample(batch, logits, argmax, on_draws)):
                 results[i] = result
             if drafting:
                 self._agree_on_samples(batch.seqs, results)
@@ -294,7 +297,11 @@ class ModelRunner:
         return hidden, logits, argmax
 
     def _sample(
-        self, batch: StepTensors, logits: torch.Tensor | None, argmax: torch.Tensor | None
+        self,
+        batch: StepTensors,
+        logits: torch.Tensor | None,
+        argmax: torch.Tensor | None,
+        on_draws=None,  # called with the batched draw's device results and the drawn requests
     ) -> list[SeqResult]:
         """Accept drafts and sample, per request (its logits processors first, if it has any:
         each draft row then sees the drafts before it, so acceptance runs on the processed
@@ -337,12 +344,17 @@ class ModelRunner:
             graphs = self.sampler_graphs
             if graphs is not None and graphs.bucket(num_rows) is None:
                 graphs = None
+            hook = None
+            if on_draws is not None:
+                drawn_seqs = [i for i, _, _, _ in together]
+                hook = lambda draws: on_draws(draws, drawn_seqs)  # noqa: E731
             drawn = verify_and_sample_batch(
                 self._rows_together(logits, together, graphs),
                 [drafts for _, _, _, drafts in together],
                 [batch.seqs[i].sampling for i, _, _, _ in together],
                 generators,
                 graphs,
+                hook,
             )
             for (i, _, _, _), (tokens, accepted) in zip(together, drawn):
                 results[i] = SeqResult(batch.seqs[i].request_id, tokens, accepted)

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
-from workers.batch import SeqResult, StepInput
+from workers.batch import SamplingSpec, SeqResult, StepInput
 from workers.step_tensors import StepTensors
 from workers.topk_share import keep_rows, rows_for_step
 
@@ -140,9 +141,10 @@ def verify_pairs(
     argmax: torch.Tensor,  # [>= B * q] the argmax of each row's logits
     decided: torch.Tensor,  # [2, B] drafts accepted, the target's token; -1: from the argmax
     q: int,
-) -> DraftInputs:
+) -> tuple[DraftInputs, torch.Tensor]:
     """The proposal's pair rows after a step of B verifies of q rows each, on the device: the
-    rows `build_pairs` makes, each request padded to q rows (the module docstring's example).
+    rows `build_pairs` makes, each request padded to q rows (the module docstring's example);
+    and [2, B] what each request was taken to have accepted: drafts, then the target's token.
 
     A request whose `decided` entry is -1 (plain greedy) accepts its drafts while they equal the
     argmax of the row before, and its token is the argmax of the row after them; the others'
@@ -168,7 +170,7 @@ def verify_pairs(
     first = torch.arange(num_seqs, device=device) * q
     hidden_rows = first[:, None] + torch.minimum(rows, accepted[:, None])
     slots = meta.slot_mapping[:n].view(num_seqs, q)
-    return DraftInputs(
+    inputs = DraftInputs(
         tokens=torch.where(pair, tokens, 0).view(n),
         hidden=hidden.index_select(0, hidden_rows.view(n)),
         meta=AttentionMetadata(
@@ -180,6 +182,30 @@ def verify_pairs(
         last_rows=first + accepted,
         valid=slots[:, 0] >= 0,  # a graph bucket's padding requests write nothing
     )
+    return inputs, torch.stack([accepted, token])
+
+
+def after_verify(
+    model,
+    input_ids: torch.Tensor,
+    meta: AttentionMetadata,
+    hidden: torch.Tensor,
+    argmax: torch.Tensor,
+    decided: torch.Tensor,
+    q: int,
+    num_drafts: int,
+    share_topk: bool,
+) -> torch.Tensor:
+    """The whole proposal after a step of verifies (`verify_pairs`' arguments) -> [B, k + 2]:
+    each request's k drafts, then the drafts it was taken to have accepted and its token, so
+    that the host can check them against its own acceptance in the same copy."""
+    inputs, taken = verify_pairs(input_ids, meta, hidden, argmax, decided, q)
+    return torch.cat([draft_chain(model, inputs, num_drafts, share_topk), taken.T], 1)
+
+
+def _argmax_decides(spec: SamplingSpec) -> bool:
+    """Greedy with no logits processors: the argmax of the model's logits is the target."""
+    return spec.greedy and not spec.has_logits_processors
 
 
 def verify_rows(batch: StepTensors) -> int | None:
@@ -221,6 +247,8 @@ class MtpProposer:
         self.model = model
         self.block_size = block_size_tokens
         self.pending: dict[str, _Pending] = {}
+        # Proposals launched before the host's acceptance that took another (`propose`)
+        self.num_proposed_again = 0
         self.graphs = None
         if decode_graphs is not None:
             from workers.cuda_graph import ProposeGraphs
@@ -237,9 +265,33 @@ class MtpProposer:
         launched now, behind the verify on the device, its drafts on their way to the host
         (`batch.proposal`); `propose` then only reads them."""
         q = self._verify_rows(batch)
-        greedy = all(s.sampling.greedy and not s.sampling.has_logits_processors for s in batch.seqs)
-        if q is not None and greedy:
-            batch.proposal = self._launch(step, batch, hidden, q, None)
+        if q is not None and all(_argmax_decides(s.sampling) for s in batch.seqs):
+            batch.proposal = self._launch(step, batch, hidden, q, self._decided(batch, q))
+
+    def after_draws(self, step: StepInput, batch: StepTensors, hidden: torch.Tensor):
+        """For a step of verifies whose requests draw (and the rest plain greedy), on one rank
+        (ranks draw apart until `_agree_on_samples`): a function that launches the proposal
+        right behind the batched draw, from its results on the device (`sample_rows`: draws,
+        acceptances, [3, rows]) and the step indices of the requests drawn, in order; else
+        None. `propose` checks what it took against the host's acceptance and proposes again
+        where they differ (a draw the host redid: `resample_inexact`)."""
+        q = self._verify_rows(batch)
+        seqs = batch.seqs
+        if q is None or get_parallel_state().tp_size > 1:
+            return None
+        if any(s.sampling.greedy and not _argmax_decides(s.sampling) for s in seqs):
+            return None  # a greedy request's processed logits are read on the host
+
+        def launch(draws: torch.Tensor, drawn: list[int]) -> None:
+            decided = self._decided(batch, q).to(draws.device, non_blocking=True)
+            rows = draws[:2, : len(drawn) * q].view(2, len(drawn), q)
+            accepted = rows[1, :, :-1].cumprod(1).sum(1)
+            token = rows[0].gather(1, accepted[:, None])[:, 0]
+            index = torch.tensor(drawn, dtype=torch.long).to(draws.device, non_blocking=True)
+            decided[:, index] = torch.stack([accepted, token])
+            batch.proposal = self._launch(step, batch, hidden, q, decided)
+
+        return launch
 
     def propose(
         self, step: StepInput, batch: StepTensors, hidden: torch.Tensor, results: list[SeqResult]
@@ -248,20 +300,30 @@ class MtpProposer:
         `hidden` [T, hidden] holds the step's target hidden states.
 
         After a step of verifies only: the proposal from `verify_pairs` (the proposal graph
-        after the verify's when its target replayed one), launched by `launch_early` already
-        when no request needed the host's acceptance. After a step whose target ran as rows of
-        a q = 1 graph (prompts beside verifies): a rows proposal graph, unless its pair rows
-        exceed the largest row bucket. Otherwise (and on CPU) eagerly."""
+        after the verify's when its target replayed one), launched already by `launch_early`
+        or `after_draws` when the device knew each request's acceptance; what it took is
+        checked against `results`, and proposed again from them where it differs. After a step
+        whose target ran as rows of a q = 1 graph (prompts beside verifies): a rows proposal
+        graph, unless its pair rows exceed the largest row bucket. Otherwise (and on CPU)
+        eagerly."""
         seqs, num_drafts = batch.seqs, step.num_draft_tokens
-        if batch.proposal is None and (q := self._verify_rows(batch)) is not None:
-            decided = [(r.num_accepted_drafts, r.sampled_token_ids[-1]) for r in results]
-            batch.proposal = self._launch(step, batch, hidden, q, decided)
+        q = self._verify_rows(batch)
+        if q is not None:  # every request sampled: its accepted drafts, then its token
+            taken = [(r.num_accepted_drafts, r.sampled_token_ids[-1]) for r in results]
         if batch.proposal is not None:
-            drafts, copied = batch.proposal
-            if copied is not None:
-                copied.synchronize()
-            for result, proposal in zip(results, drafts.tolist()):
-                result.next_draft_token_ids = proposal
+            rows = self._read(batch.proposal)
+            if [tuple(row[num_drafts:]) for row in rows] == taken:
+                for result, row in zip(results, rows):
+                    result.next_draft_token_ids = row[:num_drafts]
+                return
+            batch.proposal = None  # the host's acceptance differs: propose from it
+            self.num_proposed_again += 1
+        if q is not None:
+            decided = self._decided(batch, q)
+            decided[:, : len(seqs)] = torch.tensor(taken, dtype=torch.long).T
+            rows = self._read(self._launch(step, batch, hidden, q, decided))
+            for result, row in zip(results, rows):
+                result.next_draft_token_ids = row[:num_drafts]
             return
         pairs = build_pairs(
             batch, results, hidden, pending=self.pending, block_size=self.block_size
@@ -298,42 +360,57 @@ class MtpProposer:
             return None
         return verify_rows(batch)
 
+    def _graphed(self, batch: StepTensors) -> bool:
+        return self.graphs is not None and batch.graphable
+
+    def _decided(self, batch: StepTensors, q: int) -> torch.Tensor:
+        """[2, width] on the host (pinned on CUDA), all -1 (the argmax decides): width is the
+        proposal graph's bucket, or the step's requests when eager."""
+        num_seqs = len(batch.seqs)
+        width = self.graphs.decode.bucket(num_seqs, q) if self._graphed(batch) else num_seqs
+        pinned = batch.input_ids.device.type == "cuda"
+        return torch.full((2, width), -1, dtype=torch.long, pin_memory=pinned)
+
     def _launch(
         self,
         step: StepInput,
         batch: StepTensors,
         hidden: torch.Tensor,
         q: int,
-        decided: list[tuple[int, int]] | None,  # per request (drafts accepted, token); None: argmax
+        decided: torch.Tensor,  # [2, width] (`_decided`), host (pinned) or device
     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The proposal after a step of verifies only (`verify_pairs`) -> its drafts [B, k] and,
-        on CUDA, the event of their copy to the host (pinned), started here."""
+        """The proposal after a step of verifies only (`after_verify`) -> its rows [B, k + 2]
+        and, on CUDA, the event of their copy to the host (pinned), started here."""
         num_seqs, k, share = len(batch.seqs), step.num_draft_tokens, step.share_topk
         device = hidden.device
-        graphed = self.graphs is not None and batch.graphable
-        width = self.graphs.decode.bucket(num_seqs, q) if graphed else num_seqs
-        host = torch.full((2, width), -1, dtype=torch.long, pin_memory=device.type == "cuda")
-        if decided is not None:
-            host[:, :num_seqs] = torch.tensor(decided, dtype=torch.long).T
-        if graphed:
-            drafts = self.graphs.run(host, num_seqs, q, k, share)
+        if self._graphed(batch):
+            rows = self.graphs.run(decided, num_seqs, q, k, share)
         else:
-            inputs = verify_pairs(
+            rows = after_verify(
+                self.model,
                 batch.input_ids,
                 batch.meta,
                 hidden,
                 batch.argmax_device,
-                host.to(device, non_blocking=True),
+                decided.to(device, non_blocking=True),
                 q,
+                k,
+                share,
             )
-            drafts = draft_chain(self.model, inputs, k, share)
         if device.type != "cuda":
-            return drafts, None
-        pinned = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
-        pinned.copy_(drafts, non_blocking=True)
+            return rows, None
+        pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        pinned.copy_(rows, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         return pinned, copied
+
+    @staticmethod
+    def _read(proposal: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[list[int]]:
+        rows, copied = proposal
+        if copied is not None:
+            copied.synchronize()
+        return rows.tolist()
 
     def _inputs(self, pairs: DraftPairs, hidden: torch.Tensor, tables: torch.Tensor):
         device = hidden.device

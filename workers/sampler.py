@@ -310,6 +310,7 @@ def verify_and_sample_batch(
     specs: list[SamplingSpec],  # none greedy
     generators: list[torch.Generator | None] | None = None,  # a seeded request's own stream
     graphs=None,  # workers.cuda_graph.SamplerGraphs; logits then its `logits(R)`
+    on_draws=None,  # called with `sample_rows`' device results before the host reads them
 ) -> list[tuple[list[int], int]]:
     """`verify_and_sample` for many sampling requests at once (`sample_rows`): one copy to the
     device, one fill of noise, the batched device work (one graph replay where `graphs` has
@@ -358,6 +359,8 @@ def verify_and_sample_batch(
         out = graphs.replay(size, truncates)
     else:
         out = sample_rows(logits, settings, noise, truncates, num_candidates(vocab, device))
+    if on_draws is not None:  # device work that goes on behind the draw (the MTP proposal)
+        on_draws(out)
     draws, accepted, exact = out.tolist()  # one copy to the host
     # Only truncating rows among candidates can be inexact (`sample_rows`).
     if truncates and not all(exact[:num_rows]):

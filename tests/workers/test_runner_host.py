@@ -377,3 +377,60 @@ def test_rows_proposals_draft_what_eager_proposals_draft(tiny_model_dir):
     expected = drafts(False)
     assert sum(len(d) == 2 for step in expected for _, d in step) > 50
     assert drafts(True) == expected
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_proposals_behind_the_draw_are_the_host_decided_ones(tiny_model_dir, corrupt):
+    """Seeded sampling requests beside greedy ones, MTP k = 2, through the graph path: the
+    proposal launched behind the batched draw, from its results on the device, drafts what
+    the proposal from the host's acceptance drafts, step for step, and the outputs are the
+    same. Where what it took differs from the host's acceptance (here made to differ: every
+    draw's acceptances flipped on their way to it), the proposal is made again from the
+    host's, with the same drafts."""
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    settings = [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8, top_k=20)]
+    params = [
+        SamplingParams(max_tokens=10 + 3 * i, seed=40 + i, ignore_eos=True, **settings[i % 3])
+        for i in range(len(prompts))
+    ]
+
+    def run(behind_draws: bool) -> tuple[list, list, int]:
+        llm = LLM(tiny_model_dir, num_draft_tokens=2, dtype="float32", max_num_seqs=8)
+        _with_cpu_graphs(llm, max_batch=8, sampler_rows=32)
+        runner = llm.engine.executor.worker.runner
+        proposer, steps, launched = runner.proposer, [], []
+        execute, after_draws = runner.execute, proposer.after_draws
+
+        def recording(step):
+            out = execute(step)
+            steps.append([(r.request_id, r.next_draft_token_ids) for r in out.results])
+            return out
+
+        def behind(step, batch, hidden):
+            launch = after_draws(step, batch, hidden) if behind_draws else None
+            if launch is None:
+                return None
+
+            def counted(draws, drawn):
+                if corrupt:
+                    draws = draws.clone()
+                    draws[1] = 1 - draws[1]
+                launched.append(len(drawn))
+                launch(draws, drawn)
+
+            return counted
+
+        runner.execute, proposer.after_draws = recording, behind
+        outputs = _generate(llm, prompts, params)
+        return outputs, steps, len(launched), proposer.num_proposed_again
+
+    expected_outputs, expected_steps, none, _ = run(behind_draws=False)
+    outputs, steps, launched, again = run(behind_draws=True)
+    assert none == 0 and launched > 10
+    if corrupt:  # every flip that changed a decision (not those of verifies without drafts)
+        assert 10 < again <= launched
+    else:
+        assert again == 0
+    assert steps == expected_steps
+    assert outputs == expected_outputs

@@ -89,7 +89,9 @@ def test_device_pairs_are_the_host_pairs(num_seqs, q, bucket):
         for i, decision in enumerate(decisions):
             if decision is not None:
                 decided[:, i] = torch.tensor(decision)
-        got = verify_pairs(input_ids, batch.meta, hidden, argmax, decided, q)  # the bucket's
+        got, taken = verify_pairs(input_ids, batch.meta, hidden, argmax, decided, q)
+        expected = [(r.num_accepted_drafts, r.sampled_token_ids[-1]) for r in results]
+        assert [tuple(t) for t in taken.T.tolist()[:num_seqs]] == expected
 
         slots = got.meta.slot_mapping.tolist()
         assert slots[num_seqs * q :] == [-1] * ((bucket - num_seqs) * q)  # padding requests
