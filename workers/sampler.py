@@ -360,7 +360,17 @@ def verify_and_sample_batch(
     else:
         out = sample_rows(logits, settings, noise, truncates, num_candidates(vocab, device))
     if on_draws is not None:  # device work that goes on behind the draw (the MTP proposal)
+        # The copy to the host first: a graph replayed behind the draw may reuse the shared
+        # graph pool's memory that holds the sampler graph's output (captured after it).
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
+        host.copy_(out, non_blocking=True)
+        copied = torch.cuda.Event() if out.is_cuda else None
+        if copied is not None:
+            copied.record()
         on_draws(out)
+        if copied is not None:
+            copied.synchronize()
+        out = host
     draws, accepted, exact = out.tolist()  # one copy to the host
     # Only truncating rows among candidates can be inexact (`sample_rows`).
     if truncates and not all(exact[:num_rows]):

@@ -107,6 +107,48 @@ def test_gpu_graphed_proposals_match_eager_on_the_trained_model():
     assert stats[False][1] > 1.5
 
 
+def test_gpu_proposals_behind_the_draw_change_no_draw(tiny_model_dir, prompts):
+    """Seeded sampling requests beside greedy ones, MTP k = 2, real CUDA graphs (verify,
+    sampler, proposal): the proposal launched behind the batched draw leaves every token and
+    every draft as the proposal made after the host's acceptance leaves them. (The hazard of
+    a proposal graph replayed before the host reads the draws, a sampler graph output lying
+    where a proposal graph captured earlier keeps its intermediates in the shared pool, did
+    not show in this configuration; test_gpu_nothing_compiles_after_warm_up's sampled run at
+    64 sequences caught it.)"""
+    settings = [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8, top_k=20)]
+    params = [
+        SamplingParams(max_tokens=16, seed=40 + i, ignore_eos=True, **settings[i % 3])
+        for i in range(len(prompts))
+    ]
+
+    def run(behind_draws: bool):
+        llm = LLM(tiny_model_dir, device="cuda", dtype="float32", num_draft_tokens=2)
+        runner = llm.engine.executor.worker.runner
+        proposer, steps = runner.proposer, []
+        execute = runner.execute
+
+        def recording(step):
+            out = execute(step)
+            steps.append([(r.request_id, r.next_draft_token_ids) for r in out.results])
+            return out
+
+        runner.execute = recording
+        if not behind_draws:
+            proposer.after_draws = lambda *args: None
+        engine = llm.engine
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final = {}
+        while engine.has_unfinished:
+            final.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        return [final[i] for i in ids], steps, proposer.num_proposed_again
+
+    want, want_steps, _ = run(behind_draws=False)
+    got, steps, again = run(behind_draws=True)
+    assert got == want and steps == want_steps
+    assert again == 0
+    assert all(len(t) == 16 for t in got)
+
+
 @pytest.mark.parametrize("scales", ["amax", "ue8m0"])
 def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path, scales):
     """An FP8 checkpoint served with its weights FP8 in HBM (the FP8 linear kernel at the tiny
