@@ -393,3 +393,27 @@ def test_the_inverse_cdf_draw_never_picks_a_token_without_mass():
         noise = torch.tensor([[e, float("inf")]])
         draws, accepted, _ = sample_rows(logits, rejecting, noise, False).tolist()
         assert draws == [1] and accepted == [0]
+
+
+def test_work_behind_the_draw_may_overwrite_its_device_output():
+    """`on_draws` launches work behind the draw (the MTP proposal's graph), which may reuse the
+    memory of the draw's device output (CUDA graphs share one pool): the host's results are
+    read before it, so they are the draw's own, whatever that work writes."""
+    drafts, seen = [1, 3], []
+
+    def draw(on_draws=None) -> list[tuple[list[int], int]]:
+        generators = [torch.Generator().manual_seed(seed) for seed in range(50)]
+        specs = [SPECS[1]] * 50
+        logits = torch.cat([LOGITS] * 50)
+        return verify_and_sample_batch(logits, [drafts] * 50, specs, generators, None, on_draws)
+
+    def clobber(out: torch.Tensor) -> None:
+        seen.append(out.clone())
+        out.fill_(-7)
+
+    want = draw()
+    assert draw(clobber) == want
+    [out] = seen  # what it was given: the draws and acceptances the results come from
+    assert [tokens[-1] for tokens, _ in want] == [
+        out[0, 3 * i + accepted].item() for i, (_, accepted) in enumerate(want)
+    ]
