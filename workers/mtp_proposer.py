@@ -307,21 +307,19 @@ class MtpProposer:
         graph, unless its pair rows exceed the largest row bucket. Otherwise (and on CPU)
         eagerly."""
         seqs, num_drafts = batch.seqs, step.num_draft_tokens
-        q = self._verify_rows(batch)
-        if q is not None:  # every request sampled: its accepted drafts, then its token
+        if (q := self._verify_rows(batch)) is not None:
+            # Every request sampled: its accepted drafts, then its token. Every TP rank takes
+            # the same branch below: greedy requests' acceptance comes from the same argmax
+            # on each, and draws are launched early on one rank only (`after_draws`).
             taken = [(r.num_accepted_drafts, r.sampled_token_ids[-1]) for r in results]
-        if batch.proposal is not None:
-            rows = self._read(batch.proposal)
-            if [tuple(row[num_drafts:]) for row in rows] == taken:
-                for result, row in zip(results, rows):
-                    result.next_draft_token_ids = row[:num_drafts]
-                return
-            batch.proposal = None  # the host's acceptance differs: propose from it
-            self.num_proposed_again += 1
-        if q is not None:
-            decided = self._decided(batch, q)
-            decided[:, : len(seqs)] = torch.tensor(taken, dtype=torch.long).T
-            rows = self._read(self._launch(step, batch, hidden, q, decided))
+            rows = self._read(batch.proposal) if batch.proposal is not None else None
+            if rows is not None and [tuple(row[num_drafts:]) for row in rows] != taken:
+                rows = None  # the host's acceptance differs: propose from it
+                self.num_proposed_again += 1
+            if rows is None:
+                decided = self._decided(batch, q)
+                decided[:, : len(seqs)] = torch.tensor(taken, dtype=torch.long).T
+                rows = self._read(self._launch(step, batch, hidden, q, decided))
             for result, row in zip(results, rows):
                 result.next_draft_token_ids = row[:num_drafts]
             return
