@@ -6,8 +6,8 @@ propose.
   2. forward: the target over every token (a CUDA graph for decode steps on GPU);
   3. sample: per sampling request, accept drafts / sample (workers.sampler);
   4. propose: the MTP layer drafts the next k (workers.mtp_proposer, the round's one home);
-     after a step of plain greedy verifies, launched behind the forward, before step 3 reads a
-     token (the acceptance on the device).
+     after a step of verifies, launched before step 3 reads a token where the device knows
+     each request's acceptance: behind the forward (plain greedy) or behind the draw.
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ class StepTensors:
     # The logit rows' argmax on the device, set by the forward (ModelRunner._forward)
     argmax_device: torch.Tensor | None = None
     argmax_copied: torch.cuda.Event | None = None  # its copy to the host done (CUDA)
-    # The MTP proposal launched behind the forward (MtpProposer.launch_early): its drafts
-    # [num_seqs, k] (pinned on CUDA) and the event of their copy to the host (None on CPU)
+    # The MTP proposal launched before the host's acceptance (MtpProposer.launch_early,
+    # after_draws): its rows [num_seqs, k + 2] (drafts, then the drafts accepted and the token
+    # it took; pinned on CUDA) and the event of their copy to the host (None on CPU)
     proposal: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
 
