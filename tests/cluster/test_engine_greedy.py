@@ -216,3 +216,52 @@ def test_logprobs_follow_the_rows_of_accepted_drafts(
         for a, b in zip(a_out.logprobs, b_out.logprobs, strict=True):
             assert b["logprob"] == pytest.approx(a["logprob"], abs=1e-4)
             assert [t for t, _ in b["top"]] == [t for t, _ in a["top"]] and len(a["top"]) == 3
+
+
+@torch.no_grad()
+def test_logprobs_in_steps_that_draw_are_the_models(tiny_model_dir):
+    """Seeded sampling requests with logprobs beside others that draw, MTP k = 2 (every step
+    draws, the logprob rows are gathered before the draw): each emitted token's logprob is the
+    log-softmax of transformers' logits at its position, teacher-forced on the prompt and the
+    output (contexts within the indexer's top-k, so every key is selected on both sides)."""
+    from transformers import DeepseekV32ForCausalLM
+
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 5, 4, 6)]
+    params = [
+        SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True, logprobs=2)
+        if i % 2 == 0
+        else SamplingParams(max_tokens=8, temperature=0.7, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    engine = LLM(tiny_model_dir, num_draft_tokens=2, dtype="float32").engine
+    execute, failed = engine.executor.execute, []
+
+    def recording(step):  # a failing step would be re-run in halves and hide a wrong row
+        try:
+            return execute(step)
+        except Exception as exc:
+            failed.append(exc)
+            raise
+
+    engine.executor.execute = recording
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    while engine.has_unfinished:
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert not failed
+    model = DeepseekV32ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert max(len(p) for p in prompts) + 8 + 2 <= model.config.index_topk
+    for prompt, sp, rid in zip(prompts, params, ids):
+        out = final[rid]
+        assert len(out.token_ids) == 8 and out.finish_reason == "length"
+        if sp.logprobs is None:
+            assert out.logprobs is None
+            continue
+        assert [e["token_id"] for e in out.logprobs] == out.token_ids
+        sequence = torch.tensor([prompt + out.token_ids])
+        logp = model(sequence).logits[0].float().log_softmax(-1)
+        for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            assert entry["logprob"] == pytest.approx(
+                logp[len(prompt) - 1 + j, token].item(), abs=1e-4
+            )
