@@ -48,6 +48,11 @@ class SamplingSpec:
     def has_logits_processors(self) -> bool:
         return uses_logits_processors(self)
 
+    @property
+    def decided_by_argmax(self) -> bool:
+        """Greedy with no logits processors: its token is the argmax of the model's logits."""
+        return self.greedy and not self.has_logits_processors
+
 
 @dataclass
 class SeqWork:
@@ -64,6 +69,15 @@ class SeqWork:
     samples: bool  # this step emits tokens (decode, or the prompt's last chunk)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     block_table_start: int = 0
+
+
+def verify_rows(seqs: list[SeqWork]) -> int | None:
+    """q when every sequence samples all of its q tokens' logits (its last token and q - 1
+    drafts: a step of decodes, or of verifies of equal length), else None."""
+    q = len(seqs[0].token_ids)
+    if all(s.samples and len(s.token_ids) == q == 1 + s.num_draft_tokens for s in seqs):
+        return q
+    return None
 
 
 @dataclass

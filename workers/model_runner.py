@@ -19,7 +19,7 @@ import torch
 from parallel.collectives import tp_broadcast
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
-from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
+from workers.batch import SeqResult, SeqWork, StepInput, StepOutput, verify_rows
 from workers.block_tables import BlockTables
 from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
 from workers.logits_processors import (
@@ -233,7 +233,8 @@ class ModelRunner:
         """The step's inputs, packed on the host and sent in one copy (workers.step_tensors):
         into the decode graph's static inputs on the graph path, else a fresh device buffer.
         `tables`: each sequence's whole block table (`self.block_tables`)."""
-        graphable = self._graphable(seqs)
+        q = verify_rows(seqs)
+        graphable = self._graphable(seqs, q)
         graph_key = self._graph_key(seqs, graphable)
         if graph_key is not None:
             layout = self.graphs.layout(*graph_key)
@@ -266,6 +267,7 @@ class ModelRunner:
             logit_rows=logit_rows,
             graphable=graphable,
             graph_key=graph_key,
+            verify_rows=q,
         )
 
     def _forward(self, batch: StepTensors) -> tuple[torch.Tensor, ...]:
@@ -508,10 +510,8 @@ class ModelRunner:
         num_tokens = sum(len(s.token_ids) for s in seqs)
         return (num_tokens, 1) if num_tokens <= self.graphs.max_rows else None
 
-    def _graphable(self, seqs: list[SeqWork]) -> bool:
+    def _graphable(self, seqs: list[SeqWork], q: int | None) -> bool:
         """Decode steps replay a CUDA graph: every sequence samples every one of its tokens'
-        logits (1 + drafts), all with the same token count, within the largest bucket."""
-        if self.graphs is None or len(seqs) > self.graphs.max_batch:
-            return False
-        q = len(seqs[0].token_ids)
-        return all(s.samples and len(s.token_ids) == q == 1 + s.num_draft_tokens for s in seqs)
+        logits (1 + drafts), all with the same token count q (`verify_rows`), within the
+        largest bucket."""
+        return self.graphs is not None and q is not None and len(seqs) <= self.graphs.max_batch

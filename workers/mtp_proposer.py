@@ -35,7 +35,7 @@ import torch
 
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
-from workers.batch import SamplingSpec, SeqResult, StepInput
+from workers.batch import SeqResult, StepInput
 from workers.step_tensors import StepTensors
 from workers.topk_share import keep_rows, rows_for_step
 
@@ -203,19 +203,6 @@ def after_verify(
     return torch.cat([draft_chain(model, inputs, num_drafts, share_topk), taken.T], 1)
 
 
-def _argmax_decides(spec: SamplingSpec) -> bool:
-    """Greedy with no logits processors: the argmax of the model's logits is the target."""
-    return spec.greedy and not spec.has_logits_processors
-
-
-def verify_rows(batch: StepTensors) -> int | None:
-    """q when every request of the step verifies q - 1 drafts (q rows each), else None."""
-    q = len(batch.seqs[0].token_ids)
-    if all(s.samples and len(s.token_ids) == q == 1 + s.num_draft_tokens for s in batch.seqs):
-        return q
-    return None
-
-
 def draft_chain(model, inputs: DraftInputs, num_drafts: int, share_topk: bool) -> torch.Tensor:
     """Draft step 0 over every pair, then steps 1..k-1 -> draft token ids [R, num_drafts].
 
@@ -265,7 +252,7 @@ class MtpProposer:
         launched now, behind the verify on the device, its drafts on their way to the host
         (`batch.proposal`); `propose` then only reads them."""
         q = self._verify_rows(batch)
-        if q is not None and all(_argmax_decides(s.sampling) for s in batch.seqs):
+        if q is not None and all(s.sampling.decided_by_argmax for s in batch.seqs):
             batch.proposal = self._launch(step, batch, hidden, q, self._decided(batch, q))
 
     def after_draws(self, step: StepInput, batch: StepTensors, hidden: torch.Tensor):
@@ -279,11 +266,11 @@ class MtpProposer:
         seqs = batch.seqs
         if q is None or get_parallel_state().tp_size > 1:
             return None
-        if any(s.sampling.greedy and not _argmax_decides(s.sampling) for s in seqs):
+        if any(s.sampling.greedy and not s.sampling.decided_by_argmax for s in seqs):
             return None  # a greedy request's processed logits are read on the host
 
         def launch(draws: torch.Tensor, drawn: list[int]) -> None:
-            decided = self._decided(batch, q).to(draws.device, non_blocking=True)
+            decided = self._decided(batch, q, draws.device)
             rows = draws[:2, : len(drawn) * q].view(2, len(drawn), q)
             accepted = rows[1, :, :-1].cumprod(1).sum(1)
             token = rows[0].gather(1, accepted[:, None])[:, 0]
@@ -349,23 +336,27 @@ class MtpProposer:
             results[i].next_draft_token_ids = proposal
 
     def _verify_rows(self, batch: StepTensors) -> int | None:
-        """q when the step is verifies only (`verify_rows`), its target ran eagerly or as its
-        own verify graph, and no request holds a pending hidden state (a verify never does;
-        `build_pairs` would consume one)."""
+        """q when the step is verifies only (`StepTensors.verify_rows`), its target ran eagerly
+        or as its own verify graph, and no request holds a pending hidden state (a verify never
+        does; `build_pairs` would consume one)."""
         if self.graphs is not None and batch.graph_key is not None and not batch.graphable:
             return None  # ran as rows of a q = 1 graph: the rows proposal graph's (`propose`)
-        if any(s.request_id in self.pending for s in batch.seqs):
+        if self.pending and any(s.request_id in self.pending for s in batch.seqs):
             return None
-        return verify_rows(batch)
+        return batch.verify_rows
 
     def _graphed(self, batch: StepTensors) -> bool:
         return self.graphs is not None and batch.graphable
 
-    def _decided(self, batch: StepTensors, q: int) -> torch.Tensor:
-        """[2, width] on the host (pinned on CUDA), all -1 (the argmax decides): width is the
-        proposal graph's bucket, or the step's requests when eager."""
+    def _decided(
+        self, batch: StepTensors, q: int, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """[2, width] all -1 (the argmax decides), on `device` or else on the host (pinned on
+        CUDA): width is the proposal graph's bucket, or the step's requests when eager."""
         num_seqs = len(batch.seqs)
         width = self.graphs.decode.bucket(num_seqs, q) if self._graphed(batch) else num_seqs
+        if device is not None:
+            return torch.full((2, width), -1, dtype=torch.long, device=device)
         pinned = batch.input_ids.device.type == "cuda"
         return torch.full((2, width), -1, dtype=torch.long, pin_memory=pinned)
 

@@ -30,7 +30,7 @@ def overlap_on(overlap_steps: str, device_type: str) -> bool:
 
 def plain_greedy(spec: SamplingSpec) -> bool:
     """Greedy with nothing read but the argmax: no logits processors, no logprobs."""
-    return spec.greedy and not spec.has_logits_processors and spec.num_logprobs is None
+    return spec.decided_by_argmax and spec.num_logprobs is None
 
 
 @dataclass

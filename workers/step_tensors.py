@@ -33,6 +33,9 @@ class StepTensors:
     # (eager): (num_seqs, q) for a decode/verify step, (num_tokens, 1) for any other step (prefill
     # chunks alone or beside decodes or verifies), whose tokens are rows of the q = 1 graph.
     graph_key: tuple[int, int] | None = None
+    # q when every sequence samples all of its q tokens (decodes, or verifies of equal length:
+    # workers.batch.verify_rows), else None
+    verify_rows: int | None = None
     # The logit rows' argmax on the device, set by the forward (ModelRunner._forward)
     argmax_device: torch.Tensor | None = None
     argmax_copied: torch.cuda.Event | None = None  # its copy to the host done (CUDA)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from workers.attention_metadata import AttentionMetadata
-from workers.batch import SamplingSpec, SeqResult, SeqWork
-from workers.mtp_proposer import build_pairs, verify_pairs, verify_rows
+from workers.batch import SamplingSpec, SeqResult, SeqWork, verify_rows
+from workers.mtp_proposer import build_pairs, verify_pairs
 from workers.sampler import verify_and_sample
 from workers.step_tensors import StepLayout, StepTensors, pack_step
 
@@ -81,7 +81,7 @@ def test_device_pairs_are_the_host_pairs(num_seqs, q, bucket):
     rng = random.Random(num_seqs * 100 + q * 10 + bucket)
     for _ in range(20):
         batch, input_ids, argmax, decisions = _step(rng, num_seqs, q, bucket)
-        assert verify_rows(batch) == q
+        assert verify_rows(batch.seqs) == q
         hidden = torch.randn(bucket * q, 3)
         results = _results(batch, argmax, decisions)
         host = build_pairs(batch, results, hidden, pending={}, block_size=BLOCK)
@@ -121,11 +121,8 @@ def test_only_steps_of_equal_verifies_have_verify_rows():
     def work(tokens: int, drafts: int, samples: bool = True) -> SeqWork:
         return SeqWork("r", [1] * tokens, 10, [1, 2, 3, 4], drafts, samples)
 
-    def batch(*seqs):
-        return StepTensors(list(seqs), [], torch.zeros(0), None, [], [], False)
-
-    assert verify_rows(batch(work(3, 2), work(3, 2))) == 3
-    assert verify_rows(batch(work(1, 0))) == 1  # drafts cut to none near max_tokens
-    assert verify_rows(batch(work(3, 2), work(2, 1))) is None  # unequal
-    assert verify_rows(batch(work(3, 2), work(5, 0))) is None  # a prompt's last chunk beside
-    assert verify_rows(batch(work(3, 0, samples=False))) is None  # a non-final chunk
+    assert verify_rows([work(3, 2), work(3, 2)]) == 3
+    assert verify_rows([work(1, 0)]) == 1  # drafts cut to none near max_tokens
+    assert verify_rows([work(3, 2), work(2, 1)]) is None  # unequal
+    assert verify_rows([work(3, 2), work(5, 0)]) is None  # a prompt's last chunk beside
+    assert verify_rows([work(3, 0, samples=False)]) is None  # a non-final chunk
