@@ -14,6 +14,7 @@ prompt arriving beside a full batch of decodes still replays a graph.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -54,7 +55,10 @@ class DecodeGraphs:
         if self.max_rows > max_batch:
             self.row_buckets.append(self.max_rows)
         self.max_blocks_per_seq = max_blocks_per_seq
+        # The memory pool of the graphs captured by the warm-up (`shared_pool`); None: each
+        # graph captured outside it gets a pool of its own.
         self.pool = None
+        self._sharing = False
         # (bucket, tokens per sequence) -> (graph, static packed inputs, (hidden, logits, argmax))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple]] = {}
         self._steps: dict[tuple[int, int], _StepViews] = {}  # (num_seqs, tokens per sequence)
@@ -79,9 +83,27 @@ class DecodeGraphs:
         # reduction order), and one kernel launch less per step on the host.
         return hidden, logits, logits.argmax(-1)
 
+    @contextlib.contextmanager
+    def shared_pool(self):
+        """Graphs captured inside share one memory pool (the warm-up's: their intermediates
+        take the same memory once). A graph's capture may then place its outputs where a graph
+        captured before it keeps its intermediates, so its outputs are safe only until a graph
+        captured before it replays: the warm-up captures in an order where every step replays
+        its graphs in capture order (`workers.worker.warm_up_keys`, the sampler's last) and the
+        work behind a draw reads the draw's results from the host (`sample_batch`). A graph
+        captured on first use after that (a verify of fewer drafts near max_tokens, then the
+        sampler in the same step) gets a pool of its own: nothing can overwrite its outputs
+        and it overwrites nothing."""
+        self._sharing = True
+        try:
+            yield
+        finally:
+            self._sharing = False
+
     def capture_graph(self, forward) -> tuple[torch.cuda.CUDAGraph, object]:
         """Warm `forward` up on a side stream (every Triton variant compiled outside the
-        capture), then capture it into a graph sharing this runner's memory pool."""
+        capture), then capture it into a graph: in the shared pool inside `shared_pool`, else
+        in a pool of its own."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -89,9 +111,10 @@ class DecodeGraphs:
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool if self._sharing else None):
             out = forward()
-        self.pool = graph.pool()
+        if self._sharing:
+            self.pool = graph.pool()
         return graph, out
 
     def _static_inputs(self, batch: int, tokens_per_seq: int) -> tuple[StepLayout, torch.Tensor]:

@@ -324,7 +324,6 @@ class ModelRunner:
                 work.append((i, self._state(s), cursor, drafts))
                 cursor += s.num_draft_tokens + 1
         results = [None] * len(batch.seqs)
-        logprob_work, logprob_logits = self._logprob_rows(batch.seqs, work, logits)
         # Sampling requests draw together (one batched sampler, one copy to the host); a
         # seeded one takes its random numbers from its own generator there.
         together = []  # (index in the step, first logit row, its processed rows or None, drafts)
@@ -375,26 +374,8 @@ class ModelRunner:
                     None, drafts, s.sampling, None, argmax[first:end]
                 )
             results[i] = SeqResult(s.request_id, tokens, accepted)
-        self._add_logprobs(batch.seqs, results, logprob_work, logprob_logits)
+        self._add_logprobs(batch.seqs, results, work, logits)
         return [r or SeqResult(s.request_id, []) for r, s in zip(results, batch.seqs)]
-
-    def _logprob_rows(self, seqs, work: list, logits) -> tuple[list, torch.Tensor | None]:
-        """When the step draws and some request asked for logprobs: its logit rows gathered
-        now, before the draw, with `work` entries pointing into them; else (work, logits). On
-        CUDA the sampler graph's replay may reuse memory that a graph captured after it (a
-        verify of fewer drafts, near max_tokens) holds as its logits: the graphs share one
-        memory pool, and a graph's outputs are safe only from graphs captured after it."""
-        asking = [w for w in work if seqs[w[0]].sampling.num_logprobs is not None]
-        if not asking or all(seqs[i].sampling.greedy for i, _, _, _ in work):
-            return work, logits
-        index, kept, start = [], [], 0
-        for i, state, first, drafts in asking:
-            index += range(first, first + len(drafts) + 1)
-            kept.append((i, state, start, drafts))
-            start += len(drafts) + 1
-        pinned = self.device.type == "cuda"
-        index = torch.tensor(index, dtype=torch.long, pin_memory=pinned)
-        return kept, logits.index_select(0, index.to(logits.device, non_blocking=True))
 
     @staticmethod
     def _add_logprobs(seqs, results, work: list, logits) -> None:

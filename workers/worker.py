@@ -5,6 +5,7 @@ The same class runs in-process (TP=1) and inside a Ray actor (workers.worker_act
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -269,18 +270,19 @@ class Worker:
             propose is not None,
             graphs.row_buckets if graphs is not None else [],
         )
-        for kind, key in keys:
-            if kind == "decode" and key not in graphs.graphs:
-                graphs.capture(*key)
-            elif kind == "propose" and key not in propose.graphs:
-                propose.capture(*key)
-            elif kind == "propose_rows" and key not in propose.row_graphs:
-                propose.capture_rows(*key)
-        sampler = self.runner.sampler_graphs  # no collectives: any order, any rank
+        sampler = self.runner.sampler_graphs
         sampler_keys = sampler.keys() if sampler is not None else []
-        for key in sampler_keys:
-            if key not in sampler.graphs:
-                sampler.capture(*key)
+        with graphs.shared_pool() if graphs is not None else contextlib.nullcontext():
+            for kind, key in keys:
+                if kind == "decode" and key not in graphs.graphs:
+                    graphs.capture(*key)
+                elif kind == "propose" and key not in propose.graphs:
+                    propose.capture(*key)
+                elif kind == "propose_rows" and key not in propose.row_graphs:
+                    propose.capture_rows(*key)
+            for key in sampler_keys:  # no collectives: any rank; last (`shared_pool`)
+                if key not in sampler.graphs:
+                    sampler.capture(*key)
         self._warm_up_prefill(num_draft_tokens if self.has_mtp else 0, share_topk)
         modules = list(self.model.modules())
         experts = next((m for m in modules if isinstance(m, Experts)), None)

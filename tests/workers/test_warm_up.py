@@ -3,6 +3,8 @@ warmed its ranks up before anyone can reach it (CPU: nothing to capture, the pat
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from kernels.settings import reload_settings
@@ -50,16 +52,26 @@ def test_warm_up_keys_cover_every_bucket_in_one_order():
 class _Graphs:
     """Stands in for DecodeGraphs / ProposeGraphs (CUDA only): records what is captured."""
 
-    def __init__(self, buckets, log, row_buckets=None):
+    def __init__(self, buckets, log, row_buckets=None, decode=None):
         self.buckets, self.graphs, self.row_graphs, self.log = buckets, {}, {}, log
         self.row_buckets = row_buckets or buckets
         self.max_batch, self.max_rows = buckets[-1], self.row_buckets[-1]
+        self.decode = decode or self  # whose pool the captures go to (ProposeGraphs: the decode's)
+        self.sharing = False
+
+    @contextlib.contextmanager
+    def shared_pool(self):
+        self.sharing = True
+        yield
+        self.sharing = False
 
     def capture_rows(self, *key):
+        assert self.decode.sharing  # the warm-up's graphs share one pool
         self.log.append(("propose_rows", key))
         self.row_graphs[key] = object()
 
     def capture(self, *key):  # DecodeGraphs: (batch, q); ProposeGraphs: (batch, q, k, share)
+        assert self.decode.sharing
         self.log.append(("propose" if len(key) == 4 else "decode", key))
         self.graphs[key] = object()
 
@@ -80,7 +92,7 @@ def test_worker_captures_every_key_once(worker, monkeypatch):
     proposer = worker.runner.proposer
     graphs, propose = worker.runner.graphs, proposer.graphs
     worker.runner.graphs = _Graphs([1, 2, 4], log)
-    proposer.graphs = _Graphs([1, 2, 4], log)
+    proposer.graphs = _Graphs([1, 2, 4], log, decode=worker.runner.graphs)
     try:
         worker.runner.graphs.graphs[(2, 3)] = object()  # already captured: kept
         result = worker.warm_up(2, False)
@@ -102,12 +114,13 @@ def test_worker_captures_the_row_buckets(worker, monkeypatch):
     proposer = worker.runner.proposer
     graphs, propose = worker.runner.graphs, proposer.graphs
     worker.runner.graphs = _Graphs([1, 2, 4], log, row_buckets=[1, 2, 4, 8, 16])
-    proposer.graphs = _Graphs([1, 2, 4], log)
+    proposer.graphs = _Graphs([1, 2, 4], log, decode=worker.runner.graphs)
     try:
         worker.warm_up(0, False)
         assert log == [("decode", (b, 1)) for b in (1, 2, 4, 8, 16)]
         log.clear()
         worker.runner.graphs = _Graphs([1, 2, 4], log, row_buckets=[1, 2, 4, 8, 16])
+        proposer.graphs.decode = worker.runner.graphs
         worker.warm_up(1, False)
         decode = [(1, 2), (2, 2), (4, 2), (1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]
         assert [key for kind, key in log if kind == "decode"] == decode
