@@ -69,7 +69,12 @@ def test_gpu_logprobs_on_a_requests_last_rounds_are_the_models(tiny_model_dir):
     llm = LLM(tiny_model_dir, device="cuda", dtype="float32", num_draft_tokens=3)
     graphs = llm.engine.executor.worker.runner.graphs
     warm = set(graphs.graphs)
-    outs = llm.generate(prompts, params)
+    engine = llm.engine
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    while engine.has_unfinished:
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    outs = [final[i] for i in ids]
     assert {q for _, q in set(graphs.graphs) - warm} & {2, 3}  # verifies captured late
     model = DeepseekV32ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert max(len(p) for p in prompts) + 10 + 3 <= model.config.index_topk
