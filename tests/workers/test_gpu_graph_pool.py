@@ -61,9 +61,9 @@ def test_gpu_logprobs_on_a_requests_last_rounds_are_the_models(tiny_model_dir):
     from transformers import DeepseekV32ForCausalLM
 
     g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 5, 4, 6, 9, 2)]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 5, 4, 2, 5, 1)]
     params = [
-        SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True, logprobs=2)
+        SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True, logprobs=2)
         for i in range(len(prompts))
     ]
     llm = LLM(tiny_model_dir, device="cuda", dtype="float32", num_draft_tokens=3)
@@ -77,9 +77,9 @@ def test_gpu_logprobs_on_a_requests_last_rounds_are_the_models(tiny_model_dir):
     outs = [final[i] for i in ids]
     assert {q for _, q in set(graphs.graphs) - warm} & {2, 3}  # verifies captured late
     model = DeepseekV32ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    assert max(len(p) for p in prompts) + 10 + 3 <= model.config.index_topk
+    assert max(len(p) for p in prompts) + 8 + 3 <= model.config.index_topk
     for prompt, out in zip(prompts, outs):
-        assert len(out.token_ids) == 10
+        assert len(out.token_ids) == 8
         assert [e["token_id"] for e in out.logprobs] == out.token_ids
         with torch.no_grad():
             logits = model(torch.tensor([prompt + out.token_ids])).logits[0]
