@@ -257,7 +257,7 @@ def sweep_sparse_mla(emit) -> None:
     the picks then -1): context 8192 (every top-2048 entry used) and 1024 (half of them)."""
     from kernels import sparse_mla
 
-    names = ("_MLA_BLOCK_H", "_MLA_BLOCK_K", "_MLA_NUM_WARPS", "_MLA_NUM_STAGES")
+    names = ("_MLA_BLOCK_H", "_MLA_BLOCK_K", "_MLA_NUM_WARPS", "_MLA_NUM_STAGES", "_MLA_PREFETCH")
     saved = tuple(getattr(sparse_mla, n) for n in names)
     cases = []
     for context in (8192, 1024):
@@ -265,18 +265,20 @@ def sweep_sparse_mla(emit) -> None:
         cases.append(functools.partial(sparse_mla_attention_triton, *args, positions))
     emit()
     with_pdl(True)
-    emit("sparse-MLA tiles, batch 32 (graph replays, PDL on), us:")
-    emit("| BLOCK_H | BLOCK_K | warps | stages | context 8192 | context 1024 |")
-    emit("|---|---|---|---|---|---|")
-    tiles = ((64, 32, 8), (64, 16, 8), (32, 32, 8), (32, 64, 8), (32, 32, 4), (16, 32, 4))
-    for (block_h, block_k, warps), stages in itertools.product(tiles, (1, 2, 3)):
-        for name, value in zip(names, (block_h, block_k, warps, stages), strict=True):
+    emit("sparse-MLA tiles, batch 32 (graph replays, PDL on), us; prefetch: the next tile's")
+    emit("indices loaded while a tile's keys load")
+    emit("| BLOCK_H | BLOCK_K | warps | stages | prefetch | context 8192 | context 1024 |")
+    emit("|---|---|---|---|---|---|---|")
+    tiles = ((64, 32, 8), (32, 64, 8), (32, 32, 4))
+    for (block_h, block_k, warps), stages, prefetch in itertools.product(tiles, (2, 3), (0, 1, 2)):
+        config = (block_h, block_k, warps, stages, prefetch)
+        for name, value in zip(names, config, strict=True):
             setattr(sparse_mla, name, value)
         try:
             times = [f"{graph_time_us(fn):.1f}" for fn in cases]
         except Exception as error:  # OutOfResources and friends: not this config
             times = [f"failed ({type(error).__name__})"] * 2
-        emit(f"| {block_h} | {block_k} | {warps} | {stages} | {times[0]} | {times[1]} |")
+        emit(f"| {' | '.join(map(str, config))} | {times[0]} | {times[1]} |")
     for name, value in zip(names, saved, strict=True):
         setattr(sparse_mla, name, value)
 
