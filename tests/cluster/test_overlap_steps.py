@@ -1,5 +1,6 @@
-"""Steps that overlap (`EngineConfig.overlap_steps`): a rank launches the next step's greedy
-decodes before this step's tokens are read, and the next step takes the rows it matches.
+"""Steps that overlap (`EngineConfig.overlap_steps`): a rank launches the next step's decodes
+before the engine has this step's tokens (plain greedy ones before the runner reads them; those
+that draw or read logits once it has), and the next step takes the rows it matches.
 Whatever happens between two steps (arrivals, aborts, stop tokens, length limits, block
 boundaries, preemption, sampled and logprobs requests beside greedy ones), every request's
 output is exactly the output without overlap. On CPU the launch is not asynchronous, but it is
@@ -90,11 +91,47 @@ def test_outputs_identical_with_overlap(tiny_model_dir, reference):
     engine = _engine(tiny_model_dir, "on")
     assert _same(_run(engine, _script()), reference)
     runner = engine.executor.worker.runner
-    # Every decode of a plain greedy request (every token after its first) came from a step
-    # launched ahead: block boundaries, arrivals and finishes included.
-    assert runner.num_rows_reused == sum(len(reference[name][0]) - 1 for name in "abcdh")
+    # Every decode (every token after a request's first) came from a step launched ahead,
+    # greedy, sampled, logprobs and penalties alike: block boundaries, arrivals and finishes
+    # included.
+    assert runner.num_rows_reused == sum(len(tokens) - 1 for tokens, *_ in reference.values())
     assert runner.num_rows_ahead >= runner.num_rows_reused
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def _sampled_script() -> dict[int, list]:
+    """Seeded sampling requests only (temperature, top-k, top-p, logprobs, penalties),
+    arriving at different steps."""
+    settings = [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=20),
+        dict(temperature=1.2, top_p=0.8, logprobs=3),
+        dict(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3),
+        dict(temperature=1.0, repetition_penalty=1.2, top_k=50, top_p=0.9),
+    ]
+    return {
+        step: [
+            (
+                "add",
+                f"s{step}{j}",
+                list(range(10 + 7 * step + j, 30 + 7 * step + 3 * j)),
+                SamplingParams(max_tokens=14 + 3 * j, seed=100 * step + j, ignore_eos=True, **kw),
+            )
+            for j, kw in enumerate(settings)
+            if (j + step) % 2 == 0
+        ]
+        for step in (0, 2, 5)
+    }
+
+
+def test_sampled_requests_identical_with_overlap(tiny_model_dir):
+    """Every output is the output without overlap, and every decode after a request's first
+    token came from a step launched ahead (drawn from the logits it kept)."""
+    off = _run(_engine(tiny_model_dir, "off"), _sampled_script())
+    engine = _engine(tiny_model_dir, "on")
+    assert _same(_run(engine, _sampled_script()), off)
+    runner = engine.executor.worker.runner
+    assert runner.num_rows_reused == sum(len(tokens) - 1 for tokens, *_ in off.values())
 
 
 def test_stop_token_mid_batch(tiny_model_dir, reference):
@@ -134,13 +171,15 @@ def test_overlap_steps_is_checked():
 
 
 @pytest.mark.gpu
-def test_gpu_outputs_identical_with_overlap(tiny_model_dir):
-    """On CUDA ("auto" turns it on), with decode graphs: the next step's decodes replay their
-    graph while the engine updates, and every output is the output without overlap."""
+@pytest.mark.parametrize("script", [_script, _sampled_script], ids=["mixed", "sampled"])
+def test_gpu_outputs_identical_with_overlap(tiny_model_dir, script):
+    """On CUDA ("auto" turns it on), with decode and sampler graphs: the next step's decodes
+    replay their graph while the engine updates, and every output is the output without
+    overlap."""
     cuda = dict(device="cuda", block_size_tokens=16)
-    reference = _run(_engine(tiny_model_dir, "off", **cuda), _script())
+    reference = _run(_engine(tiny_model_dir, "off", **cuda), script())
     engine = _engine(tiny_model_dir, "auto", **cuda)
-    assert _same(_run(engine, _script()), reference)
+    assert _same(_run(engine, script()), reference)
     runner = engine.executor.worker.runner
     assert runner.graphs is not None and runner.overlap
-    assert runner.num_rows_reused == sum(len(reference[name][0]) - 1 for name in "abcdh")
+    assert runner.num_rows_reused == sum(len(tokens) - 1 for tokens, *_ in reference.values())

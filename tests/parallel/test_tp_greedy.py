@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from cluster.sampling_params import SamplingParams
 from tests.parallel.conftest import STEP_TIMEOUT_S, greedy_params
 
 pytestmark = pytest.mark.timeout(240)
@@ -83,7 +84,9 @@ def _rows_reused(actor) -> tuple[int, int]:
 
 def test_tp2_steps_overlap(ray_local, tiny_model_dir, prompts, tp1_tokens):
     """Every rank launches the next step's decodes ahead and takes the same rows (their
-    collectives meet): TP=1's greedy tokens, and both ranks took every row the other took."""
+    collectives meet): TP=1's greedy tokens, and both ranks took every row the other took;
+    with sampling requests beside greedy ones too (the ranks' draws differ, so only the
+    greedy rows go ahead after a step that draws)."""
     ray = ray_local
     llm = _tp_llm(ray, tiny_model_dir, tp_size=2, num_draft_tokens=0, overlap_steps="on")
     try:
@@ -93,6 +96,21 @@ def test_tp2_steps_overlap(ray_local, tiny_model_dir, prompts, tp1_tokens):
         workers = llm.engine.executor.workers
         counts = ray.get([w.run.remote(_rows_reused) for w in workers], timeout=60)
         assert counts[0] == counts[1] and counts[0][1] > 0
+        engine = llm.engine
+        sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+        ids = [
+            engine.add_request(p, greedy_params() if i % 2 else sampled)
+            for i, p in enumerate(prompts)
+        ]
+        final = {}
+        while engine.has_unfinished:
+            final.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        greedy = [final[rid] for i, rid in enumerate(ids) if i % 2]
+        assert greedy == [t for i, t in enumerate(tp1_tokens) if i % 2]
+        after = ray.get([w.run.remote(_rows_reused) for w in workers], timeout=60)
+        assert after[0] == after[1]
+        # every greedy decode went ahead, no draw did
+        assert after[0][1] - counts[0][1] == sum(len(t) - 1 for t in greedy)
     finally:
         llm.engine.shutdown()
 
