@@ -142,9 +142,11 @@ class ModelRunner:
             if drafting:  # plain greedy verifies: the proposal goes on behind the forward
                 self.proposer.launch_early(step, batch, hidden)
         # A step whose rows' logits are read after the forward (draws, logits processors,
-        # logprobs) launches ahead once its tokens are read (every row's then, fed from the
-        # host): a replay of the same graph would rewrite them.
-        ahead_after = any(s.samples and not plain_greedy(s.sampling) for s in step.seqs)
+        # logprobs) launches ahead only once they are read: a replay of the same graph would
+        # rewrite them.
+        ahead_after = batch is not None and any(
+            s.samples and not plain_greedy(s.sampling) for s in batch.seqs
+        )
         overlap = self.overlap and step.num_draft_tokens == 0
         if overlap and not ahead_after:
             self._ahead = self._launch_ahead(step, tables, reused, ahead, rest, batch)
@@ -152,29 +154,18 @@ class ModelRunner:
         if reused:
             for i, result in ahead.results(step, reused).items():
                 results[i] = result
-            drawn = sorted(i for i in reused if ahead.kept(step, i) is not None)
-            if drawn:  # from the logits the step launched ahead kept for them
-                kept = [ahead.kept(step, i) for i in drawn]
-                logits_kept = ahead.logits
-                if kept != list(range(len(ahead.logits))):
-                    logits_kept = logits_kept[torch.tensor(kept, device=logits_kept.device)]
-                argmax_kept = ahead.argmax[[reused[i] for i in drawn]]  # on the host by now
-                seqs = [step.seqs[i] for i in drawn]
-                for i, result in zip(drawn, self._sample(seqs, logits_kept, argmax_kept)):
-                    results[i] = result
             self.num_rows_reused += len(reused)
         if batch is not None:
             on_draws = None  # verifies that draw: the proposal goes on behind the draw
             if drafting and batch.proposal is None:
                 on_draws = self.proposer.after_draws(step, batch, hidden)
-            sampled = self._sample(batch.seqs, logits, argmax, batch.argmax_copied, on_draws)
-            for i, result in zip(rest, sampled):
+            for i, result in zip(rest, self._sample(batch, logits, argmax, on_draws)):
                 results[i] = result
             if drafting:
                 self._agree_on_samples(batch.seqs, results)
                 self.proposer.propose(step, batch, hidden, results)
         if overlap and ahead_after:
-            self._ahead = self._launch_ahead(step, tables, reused, ahead, rest, batch, results)
+            self._ahead = self._launch_ahead(step, tables, reused, ahead, rest, batch)
         if self._ahead is not None:
             self._ahead.record_tokens(step.seqs, results)
         return StepOutput(results)
@@ -187,38 +178,20 @@ class ModelRunner:
         ahead: StepAhead | None,
         rest: list[int],
         batch: StepTensors | None,
-        results: list[SeqResult] | None = None,
     ) -> StepAhead | None:
-        """Launch the next step's decodes (workers.step_ahead): before `step`'s tokens are read
-        (`results` None), of its plain greedy sequences, fed on the device from this step's
-        argmax (of `ahead` for the `reused` sequences, of `batch` for the rest); after, of
-        every sequence that sampled one token, fed from `results`, with the logits of those
-        that draw kept for the next step. None when no sequence qualifies."""
-        tokens = None
-        if results is not None:
-            tokens = [r.sampled_token_ids[-1] if r.sampled_token_ids else None for r in results]
-        draws_agree = get_parallel_state().tp_size == 1
-        chosen = choose_rows(
-            step, tables, reused, rest, batch, self.block_size, tokens, draws_agree
-        )
+        """Launch the next step's decodes of `step`'s plain greedy sequences (workers.step_ahead),
+        fed on the device from this step's argmax: of `ahead` for the `reused` sequences, of
+        `batch` for the rest. None when no sequence qualifies."""
+        chosen = choose_rows(step, tables, reused, rest, batch, self.block_size)
         if chosen is None:
             return None
+        tokens = gather_tokens(chosen.sources, ahead, batch, self.device)
         next_batch = self._prepare(chosen.seqs, chosen.tables)
-        if chosen.sources is not None:
-            tokens = gather_tokens(chosen.sources, ahead, batch, self.device)
-            next_batch.input_ids.copy_(tokens, non_blocking=True)
-        _, logits, argmax = self._forward(next_batch)
-        kept = None
-        if chosen.kept_rows:  # their own copy: a replay of the same graph rewrites the graph's
-            index = torch.tensor(chosen.kept_rows, pin_memory=self.device.type == "cuda")
-            kept = logits.index_select(0, index.to(logits.device, non_blocking=True))
+        next_batch.input_ids.copy_(tokens, non_blocking=True)
+        _, _, argmax = self._forward(next_batch)
         self.num_rows_ahead += len(chosen.rows)
         return StepAhead(
-            chosen.rows,
-            argmax,
-            next_batch.argmax_device.clone(),
-            next_batch.argmax_copied,
-            kept,
+            chosen.rows, argmax, next_batch.argmax_device.clone(), next_batch.argmax_copied
         )
 
     def _forget(self, request_ids: list[str]) -> None:
@@ -327,10 +300,9 @@ class ModelRunner:
 
     def _sample(
         self,
-        seqs: list[SeqWork],
+        batch: StepTensors,
         logits: torch.Tensor | None,
-        argmax: torch.Tensor | None,  # of every row (host), valid once `argmax_copied` is done
-        argmax_copied: torch.cuda.Event | None = None,
+        argmax: torch.Tensor | None,
         on_draws=None,  # called with the batched draw's device results and the drawn requests
     ) -> list[SeqResult]:
         """Accept drafts and sample, per request (its logits processors first, if it has any:
@@ -344,21 +316,21 @@ class ModelRunner:
         greedy requests need."""
         work = []  # per sampling request: (index in the step, state, first logit row, drafts)
         cursor = 0
-        for i, s in enumerate(seqs):
+        for i, s in enumerate(batch.seqs):
             if s.sampling.has_logits_processors:
                 record_step_tokens(self._state(s).token_ids, s.start_position, s.token_ids)
             if s.samples:
                 drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens :]
                 work.append((i, self._state(s), cursor, drafts))
                 cursor += s.num_draft_tokens + 1
-        results = [None] * len(seqs)
+        results = [None] * len(batch.seqs)
         # Sampling requests draw together (one batched sampler, one copy to the host); a
         # seeded one takes its random numbers from its own generator there.
         together = []  # (index in the step, first logit row, its processed rows or None, drafts)
         generators = []  # each of together's own random stream (None: no seed)
         greedy = []
         for i, state, first, drafts in work:
-            spec = seqs[i].sampling
+            spec = batch.seqs[i].sampling
             if spec.greedy:
                 greedy.append((i, state, first, drafts))
                 continue
@@ -381,19 +353,19 @@ class ModelRunner:
             drawn = verify_and_sample_batch(
                 self._rows_together(logits, together, graphs),
                 [drafts for _, _, _, drafts in together],
-                [seqs[i].sampling for i, _, _, _ in together],
+                [batch.seqs[i].sampling for i, _, _, _ in together],
                 generators,
                 graphs,
                 hook,
             )
             for (i, _, _, _), (tokens, accepted) in zip(together, drawn):
-                results[i] = SeqResult(seqs[i].request_id, tokens, accepted)
+                results[i] = SeqResult(batch.seqs[i].request_id, tokens, accepted)
         if greedy:
-            if argmax_copied is not None:
-                argmax_copied.synchronize()
+            if batch.argmax_copied is not None:
+                batch.argmax_copied.synchronize()
             argmax = argmax.tolist()
         for i, state, first, drafts in greedy:
-            s, end = seqs[i], first + len(drafts) + 1
+            s, end = batch.seqs[i], first + len(drafts) + 1
             if s.sampling.has_logits_processors:
                 processed = self._process(state, s.sampling, logits[first:end], drafts)
                 tokens, accepted = verify_and_sample(processed, drafts, s.sampling, None, None)
@@ -402,8 +374,8 @@ class ModelRunner:
                     None, drafts, s.sampling, None, argmax[first:end]
                 )
             results[i] = SeqResult(s.request_id, tokens, accepted)
-        self._add_logprobs(seqs, results, work, logits)
-        return [r or SeqResult(s.request_id, []) for r, s in zip(results, seqs)]
+        self._add_logprobs(batch.seqs, results, work, logits)
+        return [r or SeqResult(s.request_id, []) for r, s in zip(results, batch.seqs)]
 
     @staticmethod
     def _add_logprobs(seqs, results, work: list, logits) -> None:

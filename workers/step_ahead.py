@@ -1,22 +1,15 @@
-"""Steps that overlap (`EngineConfig.overlap_steps`): the next step's decodes, launched by the
-model runner before the engine has seen this step's tokens, and what the next step takes from
-them.
+"""Steps that overlap (`EngineConfig.overlap_steps`): the next step's greedy decodes, launched
+by the model runner before it reads this step's tokens, and what the next step takes from them.
 
-Step n of plain greedy requests A (nothing read but the argmax): the runner replays n's
-forward, then at once launches A's next decode (`choose_rows`, then the runner's prepare and
-forward), fed A's token from n's argmax on the device (`gather_tokens`), at the next position,
-into the slot the scheduler keeps for it (`cluster.config.lookahead_slots`). Only then does it
-read n's tokens and return; the GPU runs A's decode while the engine updates and schedules.
-Step n + 1 comes with A's decode (as launched: its token, position and block table): A's row is
-taken (`StepAhead.reusable`) and its token is the row's argmax.
-
-A step in which some request B draws (or reads logits: logprobs, logits processors) launches
-ahead once its tokens are read: every request's next decode, B's too, fed its token from the
-host. Step n + 1 then draws B's token from the logits the step launched ahead kept for it
-(`StepAhead.logits`), as it would from its own forward's; with TP > 1 only greedy rows go ahead
-(random draws differ by rank until they agree). A request that stopped or was aborted wastes
-its row; the row's cache write lands in a slot that no one reads before writing it again (the
-request's own next step, or a block's next owner, later on the same stream).
+Step n of requests A (greedy) and B (sampled): the runner replays n's forward, then at once
+launches A's next decode (`choose_rows`, then the runner's prepare and forward), fed A's token
+from n's argmax on the device (`gather_tokens`), at the next position, into the slot the
+scheduler keeps for it (`cluster.config.lookahead_slots`). Only then does it read n's tokens
+and return; the GPU runs A's decode while the engine updates and schedules. Step n + 1 comes
+with A's decode (as launched: its token, position and block table) and B's: A's row is taken
+(`StepAhead.reusable`), B runs as usual. A request that stopped or was aborted wastes its row;
+the row's cache write lands in a slot that no one reads before writing it again (the request's
+own next step, or a block's next owner, later on the same stream).
 """
 
 from __future__ import annotations
@@ -43,16 +36,13 @@ def plain_greedy(spec: SamplingSpec) -> bool:
 @dataclass
 class AheadRow:
     """One request's decode in the step launched ahead: its row there, the position it computed
-    and what the step it followed sampled (the token it was fed)."""
+    and what the step it followed sampled (the token it was fed on the device)."""
 
     row: int
     position: int
     sampling: SamplingSpec
     table_len: int  # the block-table entries its slot was taken from
     token: int = -1  # set once the step before it has read its tokens (`record_tokens`)
-    # Where its result comes from: the argmax (plain greedy), or a draw from its logits row,
-    # kept at this position of `StepAhead.logits`
-    kept: int | None = None
 
 
 @dataclass
@@ -60,12 +50,9 @@ class AheadRows:
     """The rows of a step to launch ahead, in order, and where each one's token comes from."""
 
     rows: dict[str, AheadRow]
-    seqs: list[SeqWork]  # one token each at the next position (a placeholder where the device
-    # fills it from `sources`)
+    seqs: list[SeqWork]  # one token each (a placeholder: the device fills it) at the next position
     tables: list  # each one's whole block table
-    sources: list[tuple[int, int]] | None  # (0: the step launched ahead / 1: the step's batch,
-    # row); None: every token was known on the host
-    kept_rows: list[int]  # the rows whose logits are kept (drawn in the next step)
+    sources: list[tuple[int, int]]  # (0: the step launched ahead / 1: the step's batch, row)
 
 
 def choose_rows(
@@ -75,51 +62,32 @@ def choose_rows(
     rest: list[int],
     batch: StepTensors | None,
     block_size: int,
-    tokens: list[int | None] | None = None,
-    draws_agree: bool = True,
 ) -> AheadRows | None:
-    """The next decode of every sequence of `step` that samples one token (no drafts) and
-    whose next slot is allocated. Before the step's tokens are read (`tokens` None): the plain
-    greedy ones, fed on the device from the step launched ahead's argmax for the `reused`
-    sequences (index in the step -> row there), from `batch`'s (the step's `rest`) for the
-    others. After (`tokens`: each sequence's token, None for one that sampled none): every one,
-    fed its token from the host; those that draw only where `draws_agree` (every rank drew
-    the same). None when no sequence qualifies."""
+    """The next decode of every sequence of `step` that decodes greedily with nothing but the
+    argmax and whose next slot is allocated; fed from the step launched ahead's argmax for the
+    `reused` sequences (index in the step -> row there), from `batch`'s (the step's `rest`) for
+    the others. None when no sequence qualifies."""
     rest_rows = {}  # index in the step -> its last logit row in `batch`
-    if batch is not None and tokens is None:
+    if batch is not None:
         cursor = 0
         for i, s in zip(rest, batch.seqs):
             if s.samples:
                 cursor += s.num_draft_tokens + 1
                 rest_rows[i] = cursor - 1
-    chosen = AheadRows({}, [], [], [] if tokens is None else None, [])
+    chosen = AheadRows({}, [], [], [])
     for i, s in enumerate(step.seqs):
         spec = s.sampling
-        if not s.samples or s.num_draft_tokens:
-            continue
-        plain = plain_greedy(spec)
-        if tokens is None and not plain:
-            continue  # its token is not known before it is read
-        if not plain and not (spec.greedy or draws_agree):
-            continue
-        if tokens is not None and tokens[i] is None:
+        if not s.samples or s.num_draft_tokens or not plain_greedy(spec):
             continue
         position = s.start_position + len(s.token_ids)
         table = tables[i]
         if position // block_size >= len(table):
             continue  # its next slot is not allocated yet
-        row = len(chosen.seqs)
-        kept = None
-        if not plain:
-            kept = len(chosen.kept_rows)
-            chosen.kept_rows.append(row)
-        chosen.rows[s.request_id] = AheadRow(row, position, spec, len(table), kept=kept)
-        token = 0 if tokens is None else tokens[i]
-        chosen.seqs.append(SeqWork(s.request_id, [token], position, [], 0, True, spec))
+        chosen.rows[s.request_id] = AheadRow(len(chosen.seqs), position, spec, len(table))
+        chosen.seqs.append(SeqWork(s.request_id, [0], position, [], 0, True, spec))
         chosen.tables.append(table)
-        if tokens is None:
-            ahead_row = reused.get(i)
-            chosen.sources.append((0, ahead_row) if ahead_row is not None else (1, rest_rows[i]))
+        row = reused.get(i)
+        chosen.sources.append((0, row) if row is not None else (1, rest_rows[i]))
     return chosen if chosen.seqs else None
 
 
@@ -152,16 +120,13 @@ def gather_tokens(
 
 @dataclass
 class StepAhead:
-    """A step launched ahead (the module docstring): its rows, its argmax on the way and the
-    logits of the rows whose result is drawn from them."""
+    """A step launched ahead (the module docstring): its rows and its argmax on the way."""
 
     rows: dict[str, AheadRow]
     argmax: torch.Tensor  # [n] on the host (pinned on CUDA), valid once `copied` is done
     # [n] on the device, its own copy (a later replay of the same graph rewrites the graph's)
     argmax_device: torch.Tensor
     copied: torch.cuda.Event | None
-    # [kept rows, vocab] fp32 (their own copy, as argmax_device), in `AheadRow.kept` order
-    logits: torch.Tensor | None = None
 
     def reusable(self, step: StepInput) -> dict[int, int]:
         """The step's sequences this step already computed -> {index in the step: row here}: a
@@ -188,17 +153,11 @@ class StepAhead:
         return reused
 
     def results(self, step: StepInput, reused: dict[int, int]) -> dict[int, SeqResult]:
-        """The results of the `reused` sequences that are their argmax (waits for this step's
-        tokens); the others are drawn from `logits` (`kept`)."""
+        """The `reused` sequences' results (waits for this step's tokens)."""
         if self.copied is not None:
             self.copied.synchronize()
         picked = self.argmax.tolist()
-        plain = {i: row for i, row in reused.items() if self.kept(step, i) is None}
-        return {i: SeqResult(step.seqs[i].request_id, [picked[row]]) for i, row in plain.items()}
-
-    def kept(self, step: StepInput, i: int) -> int | None:
-        """Where the logits of step's sequence i are kept in `logits` (None: plain greedy)."""
-        return self.rows[step.seqs[i].request_id].kept
+        return {i: SeqResult(step.seqs[i].request_id, [picked[row]]) for i, row in reused.items()}
 
     def record_tokens(self, seqs: list[SeqWork], results: list[SeqResult]) -> None:
         """What the step before this one sampled: the tokens its rows were fed."""

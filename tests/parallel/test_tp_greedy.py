@@ -85,8 +85,7 @@ def _rows_reused(actor) -> tuple[int, int]:
 def test_tp2_steps_overlap(ray_local, tiny_model_dir, prompts, tp1_tokens):
     """Every rank launches the next step's decodes ahead and takes the same rows (their
     collectives meet): TP=1's greedy tokens, and both ranks took every row the other took;
-    with sampling requests beside greedy ones too (the ranks' draws differ, so only the
-    greedy rows go ahead after a step that draws)."""
+    with sampling requests beside greedy ones too (only the greedy rows go ahead)."""
     ray = ray_local
     llm = _tp_llm(ray, tiny_model_dir, tp_size=2, num_draft_tokens=0, overlap_steps="on")
     try:
