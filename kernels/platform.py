@@ -168,6 +168,20 @@ class LateCompileLog:
         )
 
 
+def stop_watching_late_compiles() -> None:
+    """Remove the hooks a `watch_late_compiles` installed; hooks of anyone else stay. A warm-up
+    calls this first: the hooks are per process, so another engine's watch in the same process
+    would log this warm-up's compiles as its own late ones."""
+    if not HAS_TRITON:
+        return
+    from triton import knobs
+
+    runtime = knobs.runtime
+    for name in ("jit_cache_hook", "jit_post_compile_hook"):
+        if isinstance(getattr(getattr(runtime, name), "__self__", None), LateCompileLog):
+            setattr(runtime, name, None)
+
+
 def watch_late_compiles() -> LateCompileLog | None:
     """Log every Triton compile from now on in this process (`LateCompileLog`); None where
     Triton compiles nothing (not installed, or its interpreter)."""

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels.ops import warm_up_eager_kernels
-from kernels.platform import ensure_triton_cache_dir, watch_late_compiles
+from kernels.platform import (
+    ensure_triton_cache_dir,
+    stop_watching_late_compiles,
+    watch_late_compiles,
+)
 from workers.batch import SamplingSpec, SeqWork, StepInput, StepOutput
 from workers.kv_cache import CacheFormat, cache_bytes_per_block, max_blocks_per_seq
 from workers.model import Experts, Gate, Indexer
@@ -261,6 +265,7 @@ class Worker:
         calls this at once with the same arguments: a capture runs the forward, whose
         collectives need every rank."""
         started = time.perf_counter()
+        stop_watching_late_compiles()  # this warm-up's compiles are not another engine's late ones
         graphs = self.runner.graphs
         propose = self.runner.proposer.graphs if self.runner.proposer is not None else None
         keys = warm_up_keys(

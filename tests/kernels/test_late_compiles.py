@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from kernels.platform import LateCompileLog, watch_late_compiles
+from kernels.platform import LateCompileLog, stop_watching_late_compiles, watch_late_compiles
 
 
 def _hook_kwargs(key: str) -> dict:
@@ -52,3 +52,28 @@ def test_nothing_to_watch_under_the_interpreter(monkeypatch):
     finally:
         monkeypatch.undo()
         reload_settings()
+
+
+def test_a_warm_up_stops_only_our_watch():
+    """`stop_watching_late_compiles` (what a warm-up calls first) removes a LateCompileLog's
+    hooks, so another engine's watch in the process does not count this warm-up's compiles;
+    a hook of someone else's stays."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    saved = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    log = LateCompileLog()
+
+    def foreign(**_):
+        return None
+
+    try:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = log.before, foreign
+        stop_watching_late_compiles()
+        assert runtime.jit_cache_hook is None
+        assert runtime.jit_post_compile_hook is foreign
+        runtime.jit_post_compile_hook = log.after
+        stop_watching_late_compiles()
+        assert runtime.jit_post_compile_hook is None
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved

@@ -225,3 +225,14 @@ def test_gpu_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir,
     if dtype == "float32":
         cpu = LLM(tiny_model_dir, device="cpu", dtype="float32", num_draft_tokens=0)
         assert graphed == generate_staggered(cpu, prompts, params, 2)
+
+
+def test_gpu_a_second_engines_warm_up_is_not_the_firsts_late_compile(tiny_model_dir):
+    """Two engines in one process (Triton's hooks are per process): the second one's warm-up,
+    which compiles its own variants (fp32), is not logged as the first one's late compiles."""
+    first = LLM(tiny_model_dir, device="cuda", num_draft_tokens=0, max_num_seqs=4)
+    late = first.engine.executor.worker.late_compiles
+    assert late is not None and late.count == 0
+    second = LLM(tiny_model_dir, device="cuda", num_draft_tokens=0, max_num_seqs=4, dtype="float32")
+    assert late.count == 0
+    assert second.engine.executor.worker.late_compiles.count == 0
