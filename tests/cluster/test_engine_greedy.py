@@ -221,7 +221,7 @@ def test_logprobs_follow_the_rows_of_accepted_drafts(
 @torch.no_grad()
 def test_logprobs_in_steps_that_draw_are_the_models(tiny_model_dir):
     """Seeded sampling requests with logprobs beside others that draw, MTP k = 2 (every step
-    draws, the logprob rows are gathered before the draw): each emitted token's logprob is the
+    draws; the logprobs are read after the draw): each emitted token's logprob is the
     log-softmax of transformers' logits at its position, teacher-forced on the prompt and the
     output (contexts within the indexer's top-k, so every key is selected on both sides)."""
     from transformers import DeepseekV32ForCausalLM

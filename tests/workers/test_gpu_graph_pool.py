@@ -14,12 +14,15 @@ from workers.cuda_graph import DecodeGraphs
 pytestmark = pytest.mark.gpu
 
 
-def _early_and_late(graphs: DecodeGraphs, x: torch.Tensor):
-    """A graph whose intermediate (x + 7) is freed after its capture, then one whose output
-    has that intermediate's size: in a shared pool its capture may place the output there."""
-    early, _ = graphs.capture_graph(lambda: ((x + 7) * 2).sum())
-    late, out = graphs.capture_graph(lambda: x * 3)
-    return early, late, out
+def _early(x: torch.Tensor) -> torch.Tensor:
+    """A forward whose intermediate (x + 7, and its double) is freed after its capture."""
+    return ((x + 7) * 2).sum()
+
+
+def _late(x: torch.Tensor) -> torch.Tensor:
+    """A forward whose output has that intermediate's size: captured in the same pool after
+    `_early`, it may be placed there."""
+    return x * 3
 
 
 def test_a_graph_captured_after_the_warm_up_keeps_its_outputs():
@@ -27,8 +30,8 @@ def test_a_graph_captured_after_the_warm_up_keeps_its_outputs():
     graphs = DecodeGraphs(None, 1, 1, torch.device("cuda"))
     x = torch.randn(1 << 20, device="cuda")
     with graphs.shared_pool():
-        early, _ = graphs.capture_graph(lambda: ((x + 7) * 2).sum())
-    late, out = graphs.capture_graph(lambda: x * 3)  # as `_early_and_late`, outside the pool
+        early, _ = graphs.capture_graph(lambda: _early(x))
+    late, out = graphs.capture_graph(lambda: _late(x))
     assert late.pool() != early.pool()
     late.replay()
     early.replay()
@@ -43,7 +46,8 @@ def test_the_warm_ups_graphs_share_one_pool():
     graphs = DecodeGraphs(None, 1, 1, torch.device("cuda"))
     x = torch.randn(1 << 20, device="cuda")
     with graphs.shared_pool():
-        early, late, out = _early_and_late(graphs, x)
+        early, _ = graphs.capture_graph(lambda: _early(x))
+        late, out = graphs.capture_graph(lambda: _late(x))
     assert early.pool() == late.pool() == graphs.pool
     late.replay()
     early.replay()
