@@ -121,8 +121,15 @@ def weight_bytes(model, batch: int) -> dict[str, float]:
     cfg = model.config
     dense, moe, other = 0, 0, 0
     for module in model.model.layers:
+        kv_b = module.self_attn.kv_b_proj
+        kv_b_copy = kv_b.is_fp8 and not kv_b.reads_fp8(batch)  # the step reads its bf16 copy
+        if kv_b_copy:
+            dequantized = kv_b.model_dtype_weight()
+            dense += dequantized.numel() * dequantized.element_size()
         for name, p in module.named_parameters():
             nbytes = p.numel() * p.element_size()
+            if kv_b_copy and name.startswith("self_attn.kv_b_proj."):
+                continue
             if ".experts." in f".{name}":
                 # Expected distinct experts among batch x top-8 picks (uniform routing).
                 n = cfg.n_routed_experts

@@ -23,6 +23,12 @@ from kernels.fp8 import fp8_linear_reference
 from kernels.fp8_cache import fp8_cache_write_reference, fp8_cache_write_triton, is_fp8_cache
 from kernels.fp8_gemm import W8A8_MIN_TOKENS, fp8_linear_w8a8
 from kernels.fp8_linear import fp8_linear_triton
+from kernels.fp8_mla_absorb import (
+    absorb_out_reference,
+    absorb_out_triton,
+    absorb_q_reference,
+    absorb_q_triton,
+)
 from kernels.indexer import indexer_topk_reference, indexer_topk_triton, warm_up_topk_select
 from kernels.indexer_fp8 import hadamard_rotate_reference, indexer_fp8_reference
 from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton, warm_up_linear_fp32
@@ -81,6 +87,33 @@ def fp8_linear(
     if use_fp8_w8a8(x):
         return fp8_linear_w8a8(x, weight, scale_inv)
     return fp8_linear_triton(x, weight, scale_inv, pow2_scales=pow2_scales)
+
+
+def mla_absorb_q(
+    q_nope: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    v_dim: int,
+    pow2_scales: bool = False,
+) -> torch.Tensor:
+    """q_nope [T, H, nope] times each head's W_UK out of an FP8 kv_b_proj -> [T, H, kv_lora]
+    (kernels/fp8_mla_absorb.py)."""
+    if use_triton(q_nope.device):
+        return absorb_q_triton(q_nope, weight, scale_inv, v_dim, pow2_scales)
+    return absorb_q_reference(q_nope, weight, scale_inv, v_dim)
+
+
+def mla_absorb_out(
+    o_latent: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    nope_dim: int,
+    pow2_scales: bool = False,
+) -> torch.Tensor:
+    """o_latent [T, H, kv_lora] times each head's W_UV^T out of an FP8 kv_b_proj -> [T, H, v]."""
+    if use_triton(o_latent.device):
+        return absorb_out_triton(o_latent, weight, scale_inv, nope_dim, pow2_scales)
+    return absorb_out_reference(o_latent, weight, scale_inv, nope_dim)
 
 
 def use_fp8_w8a8(x: torch.Tensor) -> bool:

@@ -26,8 +26,9 @@ from parallel.state import get_parallel_state
 class _Fp8Capable(nn.Module):
     """What every linear here shares: an optional FP8 weight and the matmul that reads it."""
 
-    # False where the model reads the weight itself rather than multiplying by it (MLA's
-    # kv_b_proj is absorbed into q and the output): such a weight is dequantized on load.
+    # False where the model reads the weight itself rather than multiplying by it and has no
+    # FP8 kernel for that reading (MLA's kv_b_proj of head dims that are not whole 128-blocks,
+    # absorbed into q and the output): such a weight is dequantized on load.
     quantizable = True
     # Every scale a power of two (DeepSeek-V3.1 and later, UE8M0): set by `scales_loaded`.
     pow2_scales = False

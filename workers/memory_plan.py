@@ -10,6 +10,7 @@ engine account the same way.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass
 
@@ -59,9 +60,9 @@ def _fp8_names(model_dir: str, config) -> tuple[dict[str, str], str]:
 
 def use_fp8_as_shipped(model) -> None:
     """Make FP8 every layer DeepSeek's FP8 checkpoints ship in FP8 (what `quantization_config`
-    describes: every weight the model multiplies by, the routed experts); the embeddings, LM
-    head, norms, router, the indexer's head weights and MLA's kv_b_proj (read, not multiplied
-    by) stay in their dtypes."""
+    describes: every weight the model multiplies by, the routed experts, and MLA's kv_b_proj
+    where its heads' parts are whole scale blocks); the embeddings, LM head, norms, router and
+    the indexer's head weights stay in their dtypes."""
     for module in model.modules():
         if hasattr(module, "use_fp8") and getattr(module, "quantizable", True):
             module.use_fp8()
@@ -104,7 +105,7 @@ def plan_memory(
         set_parallel_state(previous)
     by_dtype: dict[str, int] = {}
     seen = set()
-    for p in model.parameters():
+    for p in itertools.chain(model.parameters(), model.buffers()):
         if id(p) in seen:
             continue
         seen.add(id(p))

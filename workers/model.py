@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.fp8 import FP8_BLOCK, FP8_DTYPE, scale_grid, scales_are_powers_of_two
+from kernels.fp8 import (
+    FP8_BLOCK,
+    FP8_DTYPE,
+    dequantize_fp8_reference,
+    scale_grid,
+    scales_are_powers_of_two,
+)
+from kernels.fp8_mla_absorb import ABSORB_FP8_MAX_ROWS, fp8_absorbable
 from parallel.collectives import tp_all_reduce, tp_compute_on_one_rank
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import (
@@ -186,6 +193,35 @@ class Indexer(nn.Module):
         )
 
 
+class AbsorbedKvB(ColumnParallelLinear):
+    """MLA's kv_b_proj, absorbed into q and the output: read per head, never multiplied as a
+    linear. An FP8 checkpoint's weight stays FP8 where each head's nope and v parts are whole
+    scale blocks (`quantizable`, set by the attention), read by kernels/fp8_mla_absorb.py in steps
+    of up to ABSORB_FP8_MAX_ROWS rows; a copy dequantized to the model's dtype is kept beside it
+    (a buffer, counted by the memory plan) for larger steps, where the tensor-core bmm wins by far.
+    Otherwise the weight is dequantized on load."""
+
+    def use_fp8(self) -> bool:
+        dtype = self.weight.dtype
+        if not super().use_fp8():
+            return False
+        copy = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
+        self.register_buffer("dequantized", copy, persistent=False)
+        return True
+
+    def scales_loaded(self) -> None:
+        super().scales_loaded()
+        if self.is_fp8:
+            deq = dequantize_fp8_reference(self.weight, self.weight_scale_inv)
+            self.dequantized.copy_(deq.to(self.dequantized.dtype))
+
+    def reads_fp8(self, num_rows: int) -> bool:
+        return self.is_fp8 and num_rows <= ABSORB_FP8_MAX_ROWS
+
+    def model_dtype_weight(self) -> torch.Tensor:
+        return self.get_buffer("dequantized") if self.is_fp8 else self.weight
+
+
 class MLAAttention(nn.Module):
     """Multi-head latent attention, absorbed: attention runs in the kv_lora_rank latent space."""
 
@@ -208,12 +244,8 @@ class MLAAttention(nn.Module):
             config.q_lora_rank, heads * (self.nope_dim + self.rope_dim), dtype
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = ColumnParallelLinear(
-            self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype
-        )
-        # Absorbed into q and the output (its weight is read, not multiplied): an FP8
-        # checkpoint's kv_b_proj is dequantized on load, as DeepSeek's inference does.
-        self.kv_b_proj.quantizable = False
+        self.kv_b_proj = AbsorbedKvB(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype)
+        self.kv_b_proj.quantizable = fp8_absorbable(self.nope_dim, self.v_dim)
         self.o_proj = RowParallelLinear(heads * self.v_dim, config.hidden_size, dtype)
         self.indexer = Indexer(config, dtype)
         self.softmax_scale = yarn_softmax_scale(config)
@@ -254,12 +286,7 @@ class MLAAttention(nn.Module):
         if topk is None:
             topk = self.indexer(x, q_latent, cos_sin, meta, index_cache)
             used_positions = meta.positions
-        # W_UK / W_UV out of kv_b_proj: [heads, nope + v, kv_lora_rank]
-        w_kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
-        w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
-        # Batched over heads: what einsum("thd,hdl->thl") runs, without its per-call parsing
-        # (a visible share of an eager step's host time in a profile on the H200).
-        q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora]
+        q_absorbed = self._absorb_q(q_nope)  # [T, H, kv_lora]
         out_latent = ops.sparse_mla_attention(
             q_absorbed,  # read in place beside q_rope: no [T, H, kv_lora + rope] copy
             kv_cache,
@@ -271,9 +298,37 @@ class MLAAttention(nn.Module):
             q_rope,
             used_positions,
         )  # [T, H, kv_lora_rank]
-        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_dim]
-        out = out.transpose(0, 1).reshape(num_tokens, -1)
+        out = self._absorb_out(out_latent).reshape(num_tokens, -1)  # [T, H * v]
         return self.o_proj(out), topk
+
+    def _absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope] -> [T, H, kv_lora]: each head's q times its W_UK."""
+        kv_b = self.kv_b_proj
+        if kv_b.reads_fp8(q_nope.shape[0]):
+            return ops.mla_absorb_q(
+                q_nope, kv_b.weight, kv_b.weight_scale_inv, self.v_dim, kv_b.pow2_scales
+            )
+        w_uk, _ = self._w_uk_uv()
+        # Batched over heads: what einsum("thd,hdl->thl") runs, without its per-call parsing
+        # (a visible share of an eager step's host time in a profile on the H200).
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+    def _absorb_out(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """[T, H, kv_lora] -> [T, H, v]: each head's attention output times its W_UV^T."""
+        kv_b = self.kv_b_proj
+        if kv_b.reads_fp8(out_latent.shape[0]):
+            return ops.mla_absorb_out(
+                out_latent, kv_b.weight, kv_b.weight_scale_inv, self.nope_dim, kv_b.pow2_scales
+            )
+        _, w_uv = self._w_uk_uv()
+        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora] out of kv_b_proj (model dtype)."""
+        w_kv_b = self.kv_b_proj.model_dtype_weight()
+        w_kv_b = w_kv_b.view(self.num_heads, self.nope_dim + self.v_dim, -1)
+        w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
+        return w_uk, w_uv
 
 
 class MLP(nn.Module):

@@ -3,33 +3,50 @@ transformers' greedy on the dequantized weights, with MTP off and on."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cluster.llm import LLM
 from cluster.sampling_params import SamplingParams
 from tests.workers.test_config_family import MAX_TOKENS, _prompts, _transformers_greedy
-from tests.workers.test_loader import _quantize_checkpoint, _rewrite
+from tests.workers.test_loader import _quantize_checkpoint, _quantize_checkpoint_ue8m0, _rewrite
 from workers.loader import dequantize_fp8
+from workers.tiny_model import make_tiny_model
+
+# Heads whose nope and v parts are whole 128-row scale blocks, as DeepSeek-V3.2's (128, 128): MLA's
+# kv_b_proj then stays FP8 and is read by kernels/fp8_mla_absorb.py (the tiny model's 16 and 16
+# are dequantized on load).
+WHOLE_BLOCK_HEADS = dict(num_attention_heads=2, qk_nope_head_dim=128, v_head_dim=128)
 
 
+def _dequantize(tensors):
+    return {
+        k: dequantize_fp8(t, tensors[k + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn else t
+        for k, t in tensors.items()
+        if not k.endswith("_scale_inv")
+    }
+
+
+@pytest.mark.parametrize(
+    "heads, quantize",
+    [("tiny", _quantize_checkpoint), ("whole-block", _quantize_checkpoint_ue8m0)],
+    ids=["tiny-heads-amax", "whole-block-heads-ue8m0"],
+)
 def test_fp8_checkpoint_greedy_equals_transformers_on_the_dequantized_weights(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, heads, quantize
 ):
-    fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), _quantize_checkpoint)
-
-    def dequantize(tensors):
-        return {
-            k: dequantize_fp8(t, tensors[k + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn else t
-            for k, t in tensors.items()
-            if not k.endswith("_scale_inv")
-        }
-
+    src = tiny_model_dir
+    if heads == "whole-block":
+        src = make_tiny_model(str(tmp_path / "src"), seed=1, **WHOLE_BLOCK_HEADS)
+    fp8_dir = _rewrite(src, str(tmp_path / "fp8"), quantize)
     reference = _transformers_greedy(
-        _rewrite(fp8_dir, str(tmp_path / "deq"), dequantize), _prompts(512)
+        _rewrite(fp8_dir, str(tmp_path / "deq"), _dequantize), _prompts(512)
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     for k in (0, 2):
         llm = LLM(fp8_dir, dtype="float32", num_draft_tokens=k)
-        experts = llm.engine.executor.worker.model.model.layers[1].mlp.experts
-        assert experts.w13.dtype == torch.float8_e4m3fn  # served from FP8, not dequantized
+        layers = llm.engine.executor.worker.model.model.layers
+        assert layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn  # served from FP8
+        kv_b = layers[0].self_attn.kv_b_proj.weight
+        assert (kv_b.dtype == torch.float8_e4m3fn) == (heads == "whole-block")
         assert [o.token_ids for o in llm.generate(_prompts(512), params)] == reference, k

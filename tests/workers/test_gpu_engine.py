@@ -149,16 +149,24 @@ def test_gpu_proposals_behind_the_draw_change_no_draw(tiny_model_dir, prompts):
     assert all(len(t) == 16 for t in got)
 
 
+@pytest.mark.parametrize("heads", ["tiny", "whole-block"])
 @pytest.mark.parametrize("scales", ["amax", "ue8m0"])
-def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path, scales):
+def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path, scales, heads):
     """An FP8 checkpoint served with its weights FP8 in HBM (the FP8 linear kernel at the tiny
     model's odd shapes, inside CUDA graphs): fp32 greedy equals the CPU twins' greedy, and bf16
     greedy with MTP k = 3 equals bf16 greedy without it. With scales amax / 448 (DeepSeek-V3)
-    and with UE8M0 scales (powers of two, V3.1 and later: the kernels' POW2_SCALES path)."""
+    and with UE8M0 scales (powers of two, V3.1 and later: the kernels' POW2_SCALES path). With
+    heads whose nope and v parts are whole 128-row blocks, kv_b_proj stays FP8 too (the
+    absorbed products of kernels/fp8_mla_absorb.py at 1 row, a few and a prefill's)."""
+    from tests.workers.test_fp8_engine import WHOLE_BLOCK_HEADS
     from tests.workers.test_loader import _quantize_checkpoint, _quantize_checkpoint_ue8m0, _rewrite
+    from workers.tiny_model import make_tiny_model
 
     quantize = _quantize_checkpoint_ue8m0 if scales == "ue8m0" else _quantize_checkpoint
-    fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), quantize)
+    src = tiny_model_dir
+    if heads == "whole-block":
+        src = make_tiny_model(str(tmp_path / "src"), seed=1, **WHOLE_BLOCK_HEADS)
+    fp8_dir = _rewrite(src, str(tmp_path / "fp8"), quantize)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     cpu = [
         o.token_ids
@@ -170,6 +178,9 @@ def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path, scales):
     q_b = llm.engine.executor.worker.model.model.layers[1].self_attn.q_b_proj
     assert q_b.weight.dtype == torch.float8_e4m3fn and q_b.weight.is_cuda
     assert q_b.pow2_scales == (scales == "ue8m0")
+    kv_b = llm.engine.executor.worker.model.model.layers[1].self_attn.kv_b_proj
+    assert (kv_b.weight.dtype == torch.float8_e4m3fn) == (heads == "whole-block")
+    assert llm.engine.executor.worker.late_compiles.count == 0
     assert gpu == cpu
     plain, _ = _tokens(fp8_dir, prompts, dtype="bfloat16")
     mtp, _ = _tokens(fp8_dir, prompts, dtype="bfloat16", num_draft_tokens=3)

@@ -22,8 +22,8 @@ def test_plan_counts_what_the_loaded_model_holds(tiny_model_dir, tmp_path):
     for model_dir in (tiny_model_dir, fp8_dir):
         plan = plan_memory(model_dir, dtype=torch.float32)
         model, config = load_model(model_dir, dtype=torch.float32)
-        params = {id(p): p for p in model.parameters()}.values()
-        assert plan.weight_bytes_per_rank == sum(p.numel() * p.element_size() for p in params)
+        held = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+        assert plan.weight_bytes_per_rank == sum(t.numel() * t.element_size() for t in held)
         caches = allocate_kv_caches(config, 3, 64, torch.float32, "cpu", with_mtp=True)
         allocated = sum(c.numel() * c.element_size() for group in caches for c in group)
         assert plan.kv_bytes_per_token * 3 * 64 == allocated
