@@ -6,6 +6,8 @@ and the collectives it would do, projected to tokens/s per GPU of an 8-GPU insta
         [--collectives-json collectives.json]
     # 2+ GPUs: only the collectives of one decode step (and one MTP round) per rank, over NCCL
     PYTHONPATH=$PWD python benchmarks/bench_rank_shard.py --collectives [--json collectives.json]
+    # one GPU: the kernels of one eager decode step of the shard, by total time
+    PYTHONPATH=$PWD python benchmarks/bench_rank_shard.py --profile [--profile-batch 1]
     # CPU: a tiny config's shard, its accounting against the plan and its collectives counted
     PYTHONPATH=$PWD python benchmarks/bench_rank_shard.py --device cpu --tiny
 
@@ -184,12 +186,14 @@ def build_shard(config, device: torch.device, progress=print):
 
 
 def bytes_by_dtype(model) -> dict[str, int]:
-    """The shard's parameter bytes by dtype name (each tensor once), as workers.memory_plan
-    names them."""
+    """The shard's bytes by dtype name, as workers.memory_plan counts them: every parameter and
+    buffer once (tied tensors once; buffers such as kv_b_proj's bf16 copy beside its FP8
+    weight)."""
     by_dtype: dict[str, int] = {}
-    for p in model.parameters():  # parameters() yields a tied tensor once
-        name = str(p.dtype).removeprefix("torch.")
-        by_dtype[name] = by_dtype.get(name, 0) + p.numel() * p.element_size()
+    held = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    for t in held.values():
+        name = str(t.dtype).removeprefix("torch.")
+        by_dtype[name] = by_dtype.get(name, 0) + t.numel() * t.element_size()
     return by_dtype
 
 
@@ -534,6 +538,11 @@ def run_gpu(args, emit) -> None:
                 f"at b=1: {summarize_collectives(recorded)}; "
                 f"{'equals' if recorded == expected else 'DIFFERS FROM'} what --collectives times"
             )
+        if args.profile:
+            from benchmarks.bench_decode import profile_step
+
+            profile_step(bench, args.profile_batch, args.context)
+            return
         graphs = bench.graphs(True, max_batch)
         emit(f"weights + caches: {torch.cuda.memory_allocated() / 1e9:.1f} GB allocated")
 
@@ -636,6 +645,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="--collectives: write the timings here")
     ap.add_argument("--collectives-json", default=None, help="timings from a --collectives run")
     ap.add_argument("--skip-mtp", action="store_true", help="no MTP rounds")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the kernels of one eager decode step (PDL off) and its graph replay, and exit",
+    )
+    ap.add_argument(
+        "--profile-batch", type=int, default=1, help="with --profile: the decode step's batch"
+    )
     ap.add_argument("--headroom-gb", type=float, default=4.0, help="left free beside the caches")
     ap.add_argument("--out", default=None, help="also write the output here")
     args = ap.parse_args(argv)

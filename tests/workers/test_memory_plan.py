@@ -10,20 +10,30 @@ import torch
 from transformers import DeepseekV32Config
 
 from tests.deploy.conftest import MTPSERVE
+from tests.workers.test_fp8_engine import WHOLE_BLOCK_HEADS
 from tests.workers.test_loader import _quantize_checkpoint, _rewrite
 from workers.kv_cache import allocate_kv_caches
 from workers.loader import load_model
 from workers.memory_plan import plan_memory
 from workers.model_config import DEEPSEEK_V32, DEEPSEEK_V32_QUANTIZATION
+from workers.tiny_model import make_tiny_model
 
 
 def test_plan_counts_what_the_loaded_model_holds(tiny_model_dir, tmp_path):
     fp8_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), _quantize_checkpoint)
-    for model_dir in (tiny_model_dir, fp8_dir):
+    # Heads of whole 128-row blocks: kv_b_proj stays FP8 with a copy in the model's dtype beside
+    # it (a buffer), which the plan must count too.
+    whole_dir = make_tiny_model(str(tmp_path / "whole"), seed=1, **WHOLE_BLOCK_HEADS)
+    whole_fp8_dir = _rewrite(whole_dir, str(tmp_path / "whole-fp8"), _quantize_checkpoint)
+    for model_dir in (tiny_model_dir, fp8_dir, whole_fp8_dir):
         plan = plan_memory(model_dir, dtype=torch.float32)
         model, config = load_model(model_dir, dtype=torch.float32)
         held = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
         assert plan.weight_bytes_per_rank == sum(t.numel() * t.element_size() for t in held)
+        kv_b = model.model.layers[0].self_attn.kv_b_proj
+        if model_dir == whole_fp8_dir:
+            copy = kv_b.get_buffer("dequantized")
+            assert kv_b.is_fp8 and copy.dtype == torch.float32 and copy.shape == kv_b.weight.shape
         caches = allocate_kv_caches(config, 3, 64, torch.float32, "cpu", with_mtp=True)
         allocated = sum(c.numel() * c.element_size() for group in caches for c in group)
         assert plan.kv_bytes_per_token * 3 * 64 == allocated
