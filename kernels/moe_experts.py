@@ -553,6 +553,21 @@ class GroupedGemmConfig:
 # expert's weights over many programs (memory-bound). Prefill: tall tiles reuse weight tiles.
 DECODE_CONFIG = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 PREFILL_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# Decode on a rank that holds an eighth of the experts or less (EP >= 8): a token sends it about
+# one expert, whose weights n64 tiles spread over too few programs. `python3
+# benchmarks/bench_moe_decode_configs.py --local-experts 32 --block-k 128` on the H200
+# (2026-12-04, BENCHMARKS.md session 25): 24.6 -> 21.4 us at 1 token, 115.2 -> 105.6 at 8 (n32
+# the best of 16 tiles at both); with all 256 experts local the two tie (109.3 / 109.7 at 1).
+EP_DECODE_CONFIG = GroupedGemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
+EP_DECODE_MAX_SHARE = 1 / 8  # of the routed experts held by the rank
+
+
+def decode_config(num_local_experts: int, num_experts: int | None) -> GroupedGemmConfig:
+    """The decode tile for a rank holding `num_local_experts` of `num_experts` routed experts
+    (None: unknown, as if all)."""
+    if num_experts and num_local_experts <= num_experts * EP_DECODE_MAX_SHARE:
+        return EP_DECODE_CONFIG
+    return DECODE_CONFIG
 
 
 def check_moe_args(
@@ -627,10 +642,12 @@ def grouped_moe_triton(
     w2_scale: torch.Tensor | None = None,
     config: GroupedGemmConfig | None = None,
     pow2_scales: bool = False,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of `grouped_moe_reference` (contiguous grouped layout); FP8 experts when
     w13_scale and w2_scale are given (dequantized in registers, activations stay in x's dtype).
-    `pow2_scales`: the caller's promise that every scale is a power of two (see POW2_SCALES)."""
+    `pow2_scales`: the caller's promise that every scale is a power of two (see POW2_SCALES).
+    `num_experts`: the routed experts over all ranks (picks the decode tile, `decode_config`)."""
     device = x.device
     fp8 = w13_scale is not None or w2_scale is not None
     num_tokens, hidden, num_local_experts, intermediate, top_k = check_moe_args(
@@ -638,7 +655,10 @@ def grouped_moe_triton(
     )
     num_pairs = num_tokens * top_k
     if config is None:
-        config = DECODE_CONFIG if num_pairs <= DECODE_MAX_PAIRS else PREFILL_CONFIG
+        if num_pairs <= DECODE_MAX_PAIRS:
+            config = decode_config(num_local_experts, num_experts)
+        else:
+            config = PREFILL_CONFIG
     if fp8:
         check_fp8_scales(w13, w2, w13_scale, w2_scale)
         check_tensor("w13_scale", w13_scale, last_dim_contiguous=False, device=device)

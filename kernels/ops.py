@@ -285,10 +285,12 @@ def grouped_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     pow2_scales: bool = False,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Routed experts; FP8 experts (e4m3, 128x128 block scales) when the scales are given.
     `pow2_scales`: every scale is a power of two (`kernels.fp8.scales_are_powers_of_two`), which
-    lets the w8a16 kernels scale partial products instead of weight elements.
+    lets the w8a16 kernels scale partial products instead of weight elements. `num_experts`:
+    the routed experts over all ranks (the w8a16 decode tile follows the rank's share).
 
     FP8 experts take the w8a8 kernels (x and the intermediate quantized per token in 1x128
     groups, both GEMMs on FP8 tensor cores; twin `grouped_moe_w8a8_reference`) where
@@ -322,6 +324,7 @@ def grouped_moe(
         w13_scale,
         w2_scale,
         pow2_scales=pow2_scales,
+        num_experts=num_experts,
     )
 
 

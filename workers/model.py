@@ -492,6 +492,7 @@ class MoE(nn.Module):
             getattr(experts, "w13_scale_inv", None),
             getattr(experts, "w2_scale_inv", None),
             pow2_scales=experts.pow2_scales,
+            num_experts=c.n_routed_experts,
         )
         # One all-reduce sums the shared expert's row-parallel partials and every rank's experts.
         return tp_all_reduce(routed + self.shared_experts(x))

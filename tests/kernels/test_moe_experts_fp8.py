@@ -12,8 +12,10 @@ from kernels import ops
 from kernels.fp8 import FP8_BLOCK, scale_grid, to_fp8
 from kernels.moe_experts import (
     DECODE_CONFIG,
+    EP_DECODE_CONFIG,
     PREFILL_CONFIG,
     GroupedGemmConfig,
+    decode_config,
     grouped_moe_reference,
     grouped_moe_triton,
 )
@@ -124,7 +126,11 @@ FP8_CASES = [
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [DECODE_CONFIG, PREFILL_CONFIG], ids=["decode", "prefill"])
+@pytest.mark.parametrize(
+    "config",
+    [DECODE_CONFIG, EP_DECODE_CONFIG, PREFILL_CONFIG],
+    ids=["decode", "ep-decode", "prefill"],
+)
 @pytest.mark.parametrize("num_tokens,num_local,num_total,first_expert,top_k", FP8_CASES)
 def test_fp8_grouped_moe_matches_twin(
     dtype, config, num_tokens, num_local, num_total, first_expert, top_k
@@ -202,3 +208,13 @@ def test_ops_grouped_moe_fp8_runs_triton_never_deepgemm(monkeypatch, triton_on) 
     actual = ops.grouped_moe(x, w13, w2, weights, ids, 1, **scales)
     assert called == ["triton" if triton_on else "twin"]
     assert_close(actual, grouped_moe_reference(x, w13, w2, weights, ids, 1, **scales))
+
+
+def test_decode_tile_follows_the_ranks_share_of_the_experts() -> None:
+    """n32 tiles where a rank holds an eighth of the routed experts or less (a token sends it
+    about one expert: more programs over its weights), the n64 tile otherwise or when unknown."""
+    assert decode_config(32, 256) == EP_DECODE_CONFIG  # DeepSeek-V3.2 at EP=8
+    assert decode_config(16, 256) == EP_DECODE_CONFIG
+    assert decode_config(64, 256) == DECODE_CONFIG  # EP=4
+    assert decode_config(8, 8) == DECODE_CONFIG == decode_config(32, None)
+    assert EP_DECODE_CONFIG.block_m == DECODE_CONFIG.block_m  # one grouped layout for both
