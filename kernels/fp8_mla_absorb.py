@@ -50,8 +50,10 @@ def absorb_q_reference(
     weight: torch.Tensor,  # [H * (nope + v), kv_lora] FP8
     scale_inv: torch.Tensor,  # its 128x128 blocks' scales
     v_dim: int,
+    pow2_scales: bool = False,
 ) -> torch.Tensor:
-    """q_nope taken into the latent space: [T, H, kv_lora] in q_nope's dtype."""
+    """q_nope taken into the latent space: [T, H, kv_lora] in q_nope's dtype. (`pow2_scales`,
+    the kernel's hint, changes nothing here.)"""
     w_uk, _ = _dequantized_parts(weight, scale_inv, q_nope.shape[-1], v_dim, q_nope.dtype)
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
@@ -61,8 +63,10 @@ def absorb_out_reference(
     weight: torch.Tensor,  # [H * (nope + v), kv_lora] FP8
     scale_inv: torch.Tensor,
     nope_dim: int,
+    pow2_scales: bool = False,
 ) -> torch.Tensor:
-    """The attention's latent output taken back out: [T, H, v] in o_latent's dtype."""
+    """The attention's latent output taken back out: [T, H, v] in o_latent's dtype.
+    (`pow2_scales`, the kernel's hint, changes nothing here.)"""
     heads = o_latent.shape[1]
     v_dim = weight.shape[0] // heads - nope_dim
     _, w_uv = _dequantized_parts(weight, scale_inv, nope_dim, v_dim, o_latent.dtype)

@@ -102,9 +102,10 @@ def grouped_moe_reference(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     pow2_scales: bool = False,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]) over the experts held here.
-    (`pow2_scales`, the kernels' hint, changes nothing here.)
+    (`pow2_scales` and `num_experts`, the kernels' hints, change nothing here.)
 
     x [T, hidden], w13 [E_local, 2 * I, hidden] ([gate | up]), w2 [E_local, hidden, I].
     This rank holds experts first_expert .. first_expert + E_local - 1; routes to others

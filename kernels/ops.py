@@ -98,9 +98,8 @@ def mla_absorb_q(
 ) -> torch.Tensor:
     """q_nope [T, H, nope] times each head's W_UK out of an FP8 kv_b_proj -> [T, H, kv_lora]
     (kernels/fp8_mla_absorb.py)."""
-    if use_triton(q_nope.device):
-        return absorb_q_triton(q_nope, weight, scale_inv, v_dim, pow2_scales)
-    return absorb_q_reference(q_nope, weight, scale_inv, v_dim)
+    impl = absorb_q_triton if use_triton(q_nope.device) else absorb_q_reference
+    return impl(q_nope, weight, scale_inv, v_dim, pow2_scales)
 
 
 def mla_absorb_out(
@@ -111,9 +110,8 @@ def mla_absorb_out(
     pow2_scales: bool = False,
 ) -> torch.Tensor:
     """o_latent [T, H, kv_lora] times each head's W_UV^T out of an FP8 kv_b_proj -> [T, H, v]."""
-    if use_triton(o_latent.device):
-        return absorb_out_triton(o_latent, weight, scale_inv, nope_dim, pow2_scales)
-    return absorb_out_reference(o_latent, weight, scale_inv, nope_dim)
+    impl = absorb_out_triton if use_triton(o_latent.device) else absorb_out_reference
+    return impl(o_latent, weight, scale_inv, nope_dim, pow2_scales)
 
 
 def use_fp8_w8a8(x: torch.Tensor) -> bool:

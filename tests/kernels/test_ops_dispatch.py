@@ -12,6 +12,7 @@ from kernels import (
     cache_write,
     fp8,
     fp8_gemm,
+    fp8_mla_absorb,
     indexer,
     linear_fp32,
     moe_experts,
@@ -35,6 +36,8 @@ TWINS = {
     "sparse_mla_attention": sparse_mla.sparse_mla_attention_reference,
     "moe_route": moe_routing.moe_route_reference,
     "grouped_moe": moe_experts.grouped_moe_reference,
+    "mla_absorb_q": fp8_mla_absorb.absorb_q_reference,
+    "mla_absorb_out": fp8_mla_absorb.absorb_out_reference,
     "silu_and_mul": activation.silu_and_mul_reference,
 }
 
