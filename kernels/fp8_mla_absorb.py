@@ -6,7 +6,9 @@ attention's latent output back out of it (`absorb_out`: out[t, h] = o_latent[t, 
 kv_b_proj's weight is [H * (nope + v), kv_lora]: per head, nope rows of W_UK then v rows of W_UV.
 Where each head's nope and v parts are whole 128-row scale blocks (DeepSeek-V3.2: 128 and 128),
 the weight stays FP8 with its scales: a decode step reads half the bytes of the bf16 bmm (8.4 MB
-instead of 16.8 per product and layer at 128 heads).
+instead of 16.8 per product and layer at 128 heads). That is for steps of up to
+ABSORB_FP8_MAX_ROWS rows; larger ones read a bf16 copy that the model keeps beside the FP8
+weight (workers.model.AbsorbedKvB), where cuBLAS's bmm wins.
 
 The twins (`absorb_q_reference`, `absorb_out_reference`) dequantize the weight to x's dtype and
 run torch.bmm: what the model did before, on a weight dequantized at load.
