@@ -20,7 +20,12 @@ from kernels.fp8 import (
     scale_grid,
     scales_are_powers_of_two,
 )
-from kernels.fp8_mla_absorb import ABSORB_FP8_MAX_ROWS, fp8_absorbable
+from kernels.fp8_mla_absorb import (
+    ABSORB_FP8_MAX_ROWS,
+    absorb_out_dense,
+    absorb_q_dense,
+    fp8_absorbable,
+)
 from parallel.collectives import tp_all_reduce, tp_compute_on_one_rank
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import (
@@ -196,10 +201,16 @@ class Indexer(nn.Module):
 class AbsorbedKvB(ColumnParallelLinear):
     """MLA's kv_b_proj, absorbed into q and the output: read per head, never multiplied as a
     linear. An FP8 checkpoint's weight stays FP8 where each head's nope and v parts are whole
-    scale blocks (`quantizable`, set by the attention), read by kernels/fp8_mla_absorb.py in steps
+    scale blocks (`quantizable`), read by kernels/fp8_mla_absorb.py in steps
     of up to ABSORB_FP8_MAX_ROWS rows; a copy dequantized to the model's dtype is kept beside it
     (a buffer, counted by the memory plan) for larger steps, where the tensor-core bmm wins by far.
     Otherwise the weight is dequantized on load."""
+
+    def __init__(
+        self, kv_lora_rank: int, heads: int, nope_dim: int, v_dim: int, dtype: torch.dtype
+    ):
+        super().__init__(kv_lora_rank, heads * (nope_dim + v_dim), dtype)
+        self.quantizable = fp8_absorbable(nope_dim, v_dim)
 
     def use_fp8(self) -> bool:
         dtype = self.weight.dtype
@@ -219,7 +230,7 @@ class AbsorbedKvB(ColumnParallelLinear):
         return self.is_fp8 and num_rows <= ABSORB_FP8_MAX_ROWS
 
     def model_dtype_weight(self) -> torch.Tensor:
-        return self.get_buffer("dequantized") if self.is_fp8 else self.weight
+        return self.dequantized if self.is_fp8 else self.weight
 
 
 class MLAAttention(nn.Module):
@@ -244,8 +255,7 @@ class MLAAttention(nn.Module):
             config.q_lora_rank, heads * (self.nope_dim + self.rope_dim), dtype
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = AbsorbedKvB(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype)
-        self.kv_b_proj.quantizable = fp8_absorbable(self.nope_dim, self.v_dim)
+        self.kv_b_proj = AbsorbedKvB(self.kv_lora_rank, heads, self.nope_dim, self.v_dim, dtype)
         self.o_proj = RowParallelLinear(heads * self.v_dim, config.hidden_size, dtype)
         self.indexer = Indexer(config, dtype)
         self.softmax_scale = yarn_softmax_scale(config)
@@ -308,10 +318,7 @@ class MLAAttention(nn.Module):
             return ops.mla_absorb_q(
                 q_nope, kv_b.weight, kv_b.weight_scale_inv, self.v_dim, kv_b.pow2_scales
             )
-        w_uk, _ = self._w_uk_uv()
-        # Batched over heads: what einsum("thd,hdl->thl") runs, without its per-call parsing
-        # (a visible share of an eager step's host time in a profile on the H200).
-        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        return absorb_q_dense(q_nope, kv_b.model_dtype_weight(), self.v_dim)
 
     def _absorb_out(self, out_latent: torch.Tensor) -> torch.Tensor:
         """[T, H, kv_lora] -> [T, H, v]: each head's attention output times its W_UV^T."""
@@ -320,15 +327,7 @@ class MLAAttention(nn.Module):
             return ops.mla_absorb_out(
                 out_latent, kv_b.weight, kv_b.weight_scale_inv, self.nope_dim, kv_b.pow2_scales
             )
-        _, w_uv = self._w_uk_uv()
-        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-
-    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora] out of kv_b_proj (model dtype)."""
-        w_kv_b = self.kv_b_proj.model_dtype_weight()
-        w_kv_b = w_kv_b.view(self.num_heads, self.nope_dim + self.v_dim, -1)
-        w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_dim], dim=1)
-        return w_uk, w_uv
+        return absorb_out_dense(out_latent, kv_b.model_dtype_weight(), self.nope_dim)
 
 
 class MLP(nn.Module):
