@@ -190,8 +190,22 @@ def test_colocated_disconnect_before_a_whole_answer_aborts_it(colocated_url):
             and 'finished_reason="abort"' in line
         )
 
+    def settled() -> float:
+        # The test before this one aborts a request too, and its count can reach /metrics after
+        # this one starts (CI once read 0 here and 2 after this abort): take the count once it
+        # has stayed the same over more than two pushes.
+        value, since = aborted(), time.monotonic()
+        deadline = since + 30
+        while time.monotonic() - since < 2.5:
+            assert time.monotonic() < deadline, value
+            time.sleep(0.3)
+            now = aborted()
+            if now != value:
+                value, since = now, time.monotonic()
+        return value
+
     model = httpx.get(f"{colocated_url}/v1/models", timeout=30).json()["data"][0]["id"]
-    before = aborted()
+    before = settled()
     body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 3000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{colocated_url}/v1/completions", json=body | {"temperature": 0.0}, timeout=1.5)
