@@ -363,7 +363,7 @@ def select_table(emit) -> None:
     emit("\nIndexer top-2048 at long context (graph replays, PDL on; us per call):")
     emit("| batch | context | logits + select | logits alone | select alone | torch.topk (twin) |")
     emit("|---|---|---|---|---|---|")
-    for context in (1024, 8192, 32768, 131072):
+    for context in (1024, 4096, 8192, 32768, 131072):
         for batch in (1, 8):
             times = select_times_us(batch, context)
             emit(f"| {batch} | {context} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
