@@ -584,6 +584,15 @@ def _select_chunked(row, out_row, cand, hist_row, n, topk, capacity, BLOCK: tl.c
 
 
 @triton.jit
+def _radix_level(key, valid, prefix, remaining, SHIFT: tl.constexpr):
+    """The threshold's 8 bits from SHIFT, over the keys that share its bits above them."""
+    same = valid & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+    counts = tl.histogram((key >> SHIFT) & 255, 256, mask=same)
+    digit, remaining, _ = _pick_digit(counts, tl.arange(0, 256), remaining)
+    return prefix | (digit << SHIFT), remaining
+
+
+@triton.jit
 def _select_in_registers(row, out_row, n, topk, BLOCK: tl.constexpr):
     """A row of topk < n <= BLOCK keys held whole in registers: the threshold key by four 8-bit
     radix levels over it, then the picks written in the order the chunked path writes a listed
@@ -596,12 +605,9 @@ def _select_in_registers(row, out_row, n, topk, BLOCK: tl.constexpr):
     bins = tl.arange(0, 256)
     digit, remaining, _ = _pick_digit(tl.histogram((key >> 24) & 255, 256, mask=valid), bins, topk)
     prefix = digit << 24
-    for level in tl.static_range(3):
-        shift: tl.constexpr = 16 - 8 * level
-        same = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-        counts = tl.histogram((key >> shift) & 255, 256, mask=same)
-        digit, remaining, _ = _pick_digit(counts, bins, remaining)
-        prefix = prefix | (digit << shift)
+    prefix, remaining = _radix_level(key, valid, prefix, remaining, 16)
+    prefix, remaining = _radix_level(key, valid, prefix, remaining, 8)
+    prefix, remaining = _radix_level(key, valid, prefix, remaining, 0)
     # `prefix` is the threshold key, `remaining` how many keys equal to it are taken (the first).
     signed = key ^ -2147483648  # signed order for the comparisons; arithmetic shifts keep it
     threshold = prefix ^ -2147483648
