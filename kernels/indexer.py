@@ -106,11 +106,6 @@ HIST_WIDTH = tl.constexpr((1 << 12) + 256)
 # bench's random logits fall in it.
 _CANDIDATES = 16384
 
-# Rows of at most this many keys (a power of two) are selected by one program holding the whole
-# row in registers (`_select_in_registers`): no histogram, no list, no chunk kernels. Longer rows
-# take the chunked path. 0 turns the register path off.
-_REGISTER_SELECT_KEYS = 8192
-
 # Keys per program. 32 keys x 128 dims of bf16 is 8 KiB a program: enough programs at batch 1
 # and 8k context (256) to cover the H200's 132 SMs twice.
 _INDEXER_BLOCK_S = 32
@@ -381,11 +376,10 @@ def _pick_digit(counts, bins, need):
 
 
 @triton.jit
-def _needs_chunk(positions_ptr, topk, CHUNK: tl.constexpr, REGISTER_KEYS: tl.constexpr):
-    """Whether this program's chunk holds keys of a row that the chunked path selects (more
-    than topk keys, and more than the register path holds)."""
+def _needs_chunk(positions_ptr, topk, CHUNK: tl.constexpr):
+    """Whether this program's chunk holds keys of a row that needs a select."""
     n = tl.load(positions_ptr + tl.program_id(0)).to(tl.int32) + 1
-    return (n > topk) & (n > REGISTER_KEYS) & (tl.program_id(1) * CHUNK < n)
+    return (n > topk) & (tl.program_id(1) * CHUNK < n)
 
 
 @triton.jit
@@ -417,7 +411,6 @@ def _bucket_count_kernel(
     topk,
     CHUNK: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
-    REGISTER_KEYS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
@@ -426,7 +419,7 @@ def _bucket_count_kernel(
     if tl.program_id(1) == 0:  # the second level starts from zero whatever the caller passed
         sub_bins = tl.arange(0, 256)
         tl.store(hist_ptr + tl.program_id(0).to(tl.int64) * HIST_WIDTH + HIST_BINS + sub_bins, 0)
-    if _needs_chunk(positions_ptr, topk, CHUNK, REGISTER_KEYS):
+    if _needs_chunk(positions_ptr, topk, CHUNK):
         _, _, above, inside = _chunk_buckets(
             hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, CHUNK
         )
@@ -451,7 +444,6 @@ def _bucket_write_kernel(
     capacity,  # candidate slots per row: a plain argument, so a new table width is no compile
     CHUNK: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
-    REGISTER_KEYS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -459,7 +451,7 @@ def _bucket_write_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if _needs_chunk(positions_ptr, topk, CHUNK, REGISTER_KEYS):
+    if _needs_chunk(positions_ptr, topk, CHUNK):
         idx, key, above, inside = _chunk_buckets(
             hist_ptr, logits_ptr, positions_ptr, logits_row_stride, topk, CHUNK
         )
@@ -539,98 +531,6 @@ def _refine(
     return prefix | (digit << LO), remaining
 
 
-@triton.jit
-def _select_chunked(row, out_row, cand, hist_row, n, topk, capacity, BLOCK: tl.constexpr):
-    """A row of n > topk keys after the chunk kernels: the keys above the threshold bucket are
-    written (slots 0..written-1) and the bucket's positions listed in cand, when they fit; else
-    the levels below scan the whole row. `prefix` holds the threshold's bits fixed so far
-    (unsigned bits in an int32), `remaining` how many keys that share them are still to be
-    taken."""
-    offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, HIST_BINS)
-    digit, remaining, size = _pick_digit(tl.load(hist_row + bins), bins, topk)
-    written = topk - remaining
-    prefix = digit << (32 - HIST_BITS)
-    listed = size <= capacity
-    src_n = n
-    if listed:
-        # The second level's histogram came with the list: narrow the list to its digit.
-        sub_bins = tl.arange(0, 256)
-        sub_hist = tl.load(hist_row + HIST_BINS + sub_bins)
-        digit, remaining, _ = _pick_digit(sub_hist, sub_bins, remaining)
-        prefix = prefix | (digit << (24 - HIST_BITS))
-        written, src_n = _narrow_list(
-            row, cand, size, out_row, written, prefix, 24 - HIST_BITS, BLOCK
-        )
-    else:
-        prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 20, 12, BLOCK)
-    # The last 12 bits: 8, then 4.
-    prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 12, 4, BLOCK)
-    prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 4, 0, BLOCK)
-    # `prefix` is the threshold key: take the bucket's keys above it and the first
-    # `remaining` equal to it (the source is in position order).
-    threshold = prefix ^ -2147483648  # signed order for the comparisons
-    ties = n * 0
-    for s0 in range(0, src_n, BLOCK):
-        idx, key, valid = _load_source(row, cand, s0 + offs, src_n, listed)
-        valid = valid & ((key >> (32 - HIST_BITS)) == (prefix >> (32 - HIST_BITS)))
-        key = key ^ -2147483648
-        equal = valid & (key == threshold)
-        tie_rank = ties + tl.cumsum(equal.to(tl.int32), 0) - 1
-        take = (valid & (key > threshold)) | (equal & (tie_rank < remaining))
-        tl.store(out_row + written + tl.cumsum(take.to(tl.int32), 0) - 1, idx, mask=take)
-        written += tl.sum(take.to(tl.int32), 0)
-        ties += tl.sum(equal.to(tl.int32), 0)
-
-
-@triton.jit
-def _radix_level(key, valid, prefix, remaining, SHIFT: tl.constexpr):
-    """The threshold's 8 bits from SHIFT, over the keys that share its bits above them."""
-    same = valid & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-    counts = tl.histogram((key >> SHIFT) & 255, 256, mask=same)
-    digit, remaining, _ = _pick_digit(counts, tl.arange(0, 256), remaining)
-    return prefix | (digit << SHIFT), remaining
-
-
-@triton.jit
-def _select_in_registers(row, out_row, n, topk, BLOCK: tl.constexpr):
-    """A row of topk < n <= BLOCK keys held whole in registers: the threshold key by four 8-bit
-    radix levels over it, then the picks written in the order the chunked path writes a listed
-    row (above the threshold's 12-bit bucket; in it, above its 20-bit prefix; then the rest
-    taken), each group in position order, so a row's picks are the same array whichever path
-    selects it."""
-    idx = tl.arange(0, BLOCK)
-    valid = idx < n
-    key = _ordered_key(tl.load(row + idx, mask=valid, other=0.0))
-    bins = tl.arange(0, 256)
-    digit, remaining, _ = _pick_digit(tl.histogram((key >> 24) & 255, 256, mask=valid), bins, topk)
-    prefix = digit << 24
-    prefix, remaining = _radix_level(key, valid, prefix, remaining, 16)
-    prefix, remaining = _radix_level(key, valid, prefix, remaining, 8)
-    prefix, remaining = _radix_level(key, valid, prefix, remaining, 0)
-    # `prefix` is the threshold key, `remaining` how many keys equal to it are taken (the first).
-    signed = key ^ -2147483648  # signed order for the comparisons; arithmetic shifts keep it
-    threshold = prefix ^ -2147483648
-    above_12 = valid & ((signed >> 20) > (threshold >> 20))
-    above_20 = valid & ((signed >> 20) == (threshold >> 20)) & ((signed >> 12) > (threshold >> 12))
-    equal = valid & (signed == threshold)
-    tie_rank = tl.cumsum(equal.to(tl.int32), 0) - 1
-    in_20 = valid & ((signed >> 12) == (threshold >> 12))
-    rest = in_20 & ((signed > threshold) | (equal & (tie_rank < remaining)))
-    num_12 = tl.sum(above_12.to(tl.int32), 0)
-    num_20 = tl.sum(above_20.to(tl.int32), 0)
-    slot = tl.where(
-        above_12,
-        tl.cumsum(above_12.to(tl.int32), 0) - 1,
-        tl.where(
-            above_20,
-            num_12 + tl.cumsum(above_20.to(tl.int32), 0) - 1,
-            num_12 + num_20 + tl.cumsum(rest.to(tl.int32), 0) - 1,
-        ),
-    )
-    tl.store(out_row + slot, idx, mask=above_12 | above_20 | rest)
-
-
 # Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
 # shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
@@ -645,7 +545,6 @@ def _topk_select_kernel(
     topk,
     capacity,
     BLOCK: tl.constexpr,
-    REGISTER_KEYS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -656,20 +555,52 @@ def _topk_select_kernel(
     row = logits_ptr + token.to(tl.int64) * logits_row_stride
     out_row = out_ptr + token.to(tl.int64) * out_row_stride
     cand = cand_ptr + token.to(tl.int64) * capacity
-    hist_row = hist_ptr + token.to(tl.int64) * HIST_WIDTH
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if n <= topk:
         for j0 in range(0, topk, BLOCK):
             j = j0 + offs
             tl.store(out_row + j, tl.where(j < n, j, -1), mask=j < topk)
-    elif REGISTER_KEYS > 0:
-        if n <= REGISTER_KEYS:
-            _select_in_registers(row, out_row, n, topk, REGISTER_KEYS)
-        else:
-            _select_chunked(row, out_row, cand, hist_row, n, topk, capacity, BLOCK)
     else:
-        _select_chunked(row, out_row, cand, hist_row, n, topk, capacity, BLOCK)
+        # The keys above the threshold bucket are written (slots 0..written-1) and the bucket's
+        # positions listed in cand, when they fit; else the levels below scan the whole row.
+        # `prefix` holds the threshold's bits fixed so far (unsigned bits in an int32),
+        # `remaining` how many keys that share them are still to be taken.
+        hist_row = hist_ptr + token.to(tl.int64) * HIST_WIDTH
+        bins = tl.arange(0, HIST_BINS)
+        digit, remaining, size = _pick_digit(tl.load(hist_row + bins), bins, topk)
+        written = topk - remaining
+        prefix = digit << (32 - HIST_BITS)
+        listed = size <= capacity
+        src_n = n
+        if listed:
+            # The second level's histogram came with the list: narrow the list to its digit.
+            sub_bins = tl.arange(0, 256)
+            sub_hist = tl.load(hist_row + HIST_BINS + sub_bins)
+            digit, remaining, _ = _pick_digit(sub_hist, sub_bins, remaining)
+            prefix = prefix | (digit << (24 - HIST_BITS))
+            written, src_n = _narrow_list(
+                row, cand, size, out_row, written, prefix, 24 - HIST_BITS, BLOCK
+            )
+        else:
+            prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 20, 12, BLOCK)
+        # The last 12 bits: 8, then 4.
+        prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 12, 4, BLOCK)
+        prefix, remaining = _refine(row, cand, prefix, remaining, src_n, listed, 4, 0, BLOCK)
+        # `prefix` is the threshold key: take the bucket's keys above it and the first
+        # `remaining` equal to it (the source is in position order).
+        threshold = prefix ^ -2147483648  # signed order for the comparisons
+        ties = n * 0
+        for s0 in range(0, src_n, BLOCK):
+            idx, key, valid = _load_source(row, cand, s0 + offs, src_n, listed)
+            valid = valid & ((key >> (32 - HIST_BITS)) == (prefix >> (32 - HIST_BITS)))
+            key = key ^ -2147483648
+            equal = valid & (key == threshold)
+            tie_rank = ties + tl.cumsum(equal.to(tl.int32), 0) - 1
+            take = (valid & (key > threshold)) | (equal & (tie_rank < remaining))
+            tl.store(out_row + written + tl.cumsum(take.to(tl.int32), 0) - 1, idx, mask=take)
+            written += tl.sum(take.to(tl.int32), 0)
+            ties += tl.sum(equal.to(tl.int32), 0)
 
 
 def topk_select_triton(
@@ -700,10 +631,7 @@ def topk_select_triton(
     max_chunks = triton.next_power_of_2(num_chunks)
     counts = torch.empty(num_tokens, max_chunks, 2, dtype=torch.int32, device=device)
     grid = (num_tokens, num_chunks)
-    register_keys = _REGISTER_SELECT_KEYS
-    common = dict(
-        CHUNK=_SELECT_BLOCK, MAX_CHUNKS=max_chunks, REGISTER_KEYS=register_keys, num_warps=8
-    )
+    common = dict(CHUNK=_SELECT_BLOCK, MAX_CHUNKS=max_chunks, num_warps=8)
     launch(
         _bucket_count_kernel,
         grid,
@@ -746,7 +674,6 @@ def topk_select_triton(
         topk,
         capacity,
         BLOCK=_SELECT_BLOCK,
-        REGISTER_KEYS=register_keys,
         num_warps=8,
     )
     return out

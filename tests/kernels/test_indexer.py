@@ -90,22 +90,13 @@ def _ordered_keys(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, ~bits & 0xFFFFFFFF, bits + 2**31)
 
 
-# The select's two paths: rows in registers (the default for rows of up to 8192 keys), and the
-# chunked path with its histogram and candidate list (longer rows; every row with 0).
-REGISTER_KEYS = [indexer_module._REGISTER_SELECT_KEYS, 0]
-
-
-@pytest.mark.parametrize("register_keys", REGISTER_KEYS)
 @pytest.mark.parametrize("capacity", [None, 40, 0])
 @pytest.mark.parametrize("quantize", [False, True])
-def test_topk_select_is_exact(
-    monkeypatch, quantize: bool, capacity: int | None, register_keys: int
-) -> None:
+def test_topk_select_is_exact(monkeypatch, quantize: bool, capacity: int | None) -> None:
     """The radix select against sorting, across block boundaries (5000 > 2 x 2048 logits), with
     rows shorter than topk, negative and zero logits, and (quantized) many exact ties. A smaller
     candidate list makes big threshold buckets narrow over the whole row first; with none the
     select never leaves the row."""
-    monkeypatch.setattr(indexer_module, "_REGISTER_SELECT_KEYS", register_keys)
     if capacity is not None:
         monkeypatch.setattr(indexer_module, "_CANDIDATES", capacity)
     torch.manual_seed(quantize)
@@ -120,11 +111,9 @@ def test_topk_select_is_exact(
     assert torch.equal(_as_sets(got), _select_oracle(logits, positions, topk))
 
 
-@pytest.mark.parametrize("register_keys", REGISTER_KEYS)
-def test_topk_select_within_one_bucket(monkeypatch, register_keys: int) -> None:
+def test_topk_select_within_one_bucket() -> None:
     """Keys that share their top 12 bits (one histogram bucket, 1 <= x < 1.0005): the lower bits
     decide, over the candidate list."""
-    monkeypatch.setattr(indexer_module, "_REGISTER_SELECT_KEYS", register_keys)
     torch.manual_seed(3)
     positions = torch.tensor([2999, 1500], dtype=torch.int32)
     logits = 1 + torch.rand(2, 3072) * 5e-4
@@ -155,10 +144,8 @@ def test_indexer_logits_count_the_histogram() -> None:
     assert torch.equal(hist, key_histogram(logits, positions, 64))
 
 
-@pytest.mark.parametrize("register_keys", REGISTER_KEYS)
-def test_topk_select_ignores_logits_past_the_position(monkeypatch, register_keys: int) -> None:
+def test_topk_select_ignores_logits_past_the_position() -> None:
     """Entries past a token's position are never read (the logits kernel leaves them unset)."""
-    monkeypatch.setattr(indexer_module, "_REGISTER_SELECT_KEYS", register_keys)
     positions = torch.tensor([2500, 10], dtype=torch.int32)
     logits = torch.randn(2, 4096)
     poisoned = logits.clone()
@@ -180,29 +167,3 @@ def test_topk_select_can_reuse_a_histogram() -> None:
     for _ in range(2):
         got = topk_select_triton(logits.to(DEVICE), positions.to(DEVICE), 300, hist).cpu()
         assert torch.equal(_as_sets(got), want)
-
-
-def test_a_row_gets_the_same_picks_in_registers_and_chunked(monkeypatch) -> None:
-    """The picks' order inside a row feeds the attention's summation order, so a token must get
-    the same array, not only the same set, whichever path selects its row: the path follows the
-    row's own length (a decode row alone, or beside longer rows in a verify or mixed batch). Rows
-    around both paths' edges (topk, the chunks' 2048, the registers' 8192), with the real top-2048,
-    exact ties at the threshold (quantized rows) and keys that differ only in their low bits."""
-    torch.manual_seed(11)
-    topk = 2048
-    limit = indexer_module._REGISTER_SELECT_KEYS
-    positions = torch.tensor(
-        [2048, 2049, 3000, 4095, 5000, limit - 1, limit, 2047, 6000], dtype=torch.int32
-    )
-    logits = torch.randn(positions.shape[0], limit + 512)
-    logits[1] = (logits[1] * 2).round() / 2  # a handful of values: many keys tie the threshold
-    logits[4] = (logits[4] * 4).round() / 4
-    logits[8] = 1 + torch.rand(logits.shape[1]) * 5e-4  # one 12-bit bucket
-    logits[:, 7] = -0.0
-    logits[:, 8] = 0.0
-    logits, positions = logits.to(DEVICE), positions.to(DEVICE)
-    in_registers = topk_select_triton(logits, positions, topk).cpu()
-    monkeypatch.setattr(indexer_module, "_REGISTER_SELECT_KEYS", 0)
-    chunked = topk_select_triton(logits, positions, topk).cpu()
-    assert torch.equal(in_registers, chunked)
-    assert torch.equal(_as_sets(in_registers), _select_oracle(logits.cpu(), positions.cpu(), topk))
