@@ -139,11 +139,11 @@ def keep_fp8_weights(model: torch.nn.Module, names: dict[str, str]) -> list[str]
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight$")
-_MLA_A = re.compile(r"(.*\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)\.weight$")
+_MLA_A = re.compile(r"(.*\.self_attn)\.(q_a_proj|indexer\.wk|kv_a_proj_with_mqa)\.weight$")
 # Our merged layers -> the checkpoint's parts, in shard order.
 MERGED_PARTS = {
     "gate_up_proj": ("gate_proj", "up_proj"),
-    "q_kv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+    "q_kv_a_proj": ("q_a_proj", "indexer.wk", "kv_a_proj_with_mqa"),
 }
 
 
@@ -160,7 +160,7 @@ def param_for(name: str, num_hidden_layers: int) -> tuple[str, object]:
     if m := _FUSED.match(name):
         return f"{m.group(1)}.gate_up_proj.weight", 0 if m.group(2) == "gate_proj" else 1
     if m := _MLA_A.match(name):
-        return f"{m.group(1)}.q_kv_a_proj.weight", 0 if m.group(2) == "q_a_proj" else 1
+        return f"{m.group(1)}.q_kv_a_proj.weight", MERGED_PARTS["q_kv_a_proj"].index(m.group(2))
     return name, None
 
 
@@ -253,8 +253,8 @@ def _check_complete(model, params: dict, filled: dict[str, set]) -> None:
                 f"tensor for {_ckpt_name(pname, n)!r} missing from the checkpoint"
             )
         merged = pname.removesuffix(".weight").rsplit(".", 1)[-1]
-        if merged in MERGED_PARTS and got != {0, 1}:
-            part = MERGED_PARTS[merged][1 if 0 in got else 0]
+        if merged in MERGED_PARTS and len(got) != len(MERGED_PARTS[merged]):
+            part = next(p for i, p in enumerate(MERGED_PARTS[merged]) if i not in got)
             raise CheckpointError(f"{_ckpt_name(pname, n).replace(merged, part)!r} missing")
         if pname.endswith(("experts.w13", "experts.w2")):
             want = cfg.n_routed_experts * (2 if pname.endswith("w13") else 1)

@@ -133,7 +133,8 @@ class Indexer(nn.Module):
         self.rope_dim = config.qk_rope_head_dim
         self.topk = config.index_topk
         self.wq_b = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim, dtype)
-        self.wk = ReplicatedLinear(config.hidden_size, self.head_dim, dtype)
+        # wk (hidden -> one index key) is a part of the attention's q_kv_a_proj, which reads the
+        # same input: its output comes in as `k` (see MLAAttention).
         self.k_norm = LayerNorm(self.head_dim, INDEXER_NORM_EPS, dtype)
         # fp32, as DeepSeek and transformers keep it: the head weights decide near-ties.
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads, torch.float32)
@@ -145,11 +146,11 @@ class Indexer(nn.Module):
         # Score with FP8-rounded Hadamard-rotated q and k, as deployments do (exact by default).
         self.fp8 = False
 
-    def forward(self, x, q_latent, cos_sin, meta, k_cache) -> torch.Tensor:
+    def forward(self, x, q_latent, k, cos_sin, meta, k_cache) -> torch.Tensor:
         if self.src_tp_rank is None:
-            return self.compute(x, q_latent, cos_sin, meta, k_cache)
+            return self.compute(x, q_latent, k, cos_sin, meta, k_cache)
         return tp_compute_on_one_rank(
-            lambda: self.compute(x, q_latent, cos_sin, meta, k_cache),
+            lambda: self.compute(x, q_latent, k, cos_sin, meta, k_cache),
             (x.shape[0], self.topk),
             torch.int32,
             x.device,
@@ -160,6 +161,7 @@ class Indexer(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden], the attention input (after input_layernorm)
         q_latent: torch.Tensor,  # [T, q_lora_rank], after q_a_layernorm
+        k: torch.Tensor,  # [T, index_head_dim], x times wk (before k_norm)
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         # [num_blocks, block_size, index_head_dim]; FP8 rows (144 bytes a 128-wide key) with
@@ -171,7 +173,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
         q = ops.rope(q, cos, sin, False, self.rope_dim)  # the first rope_dim dims, half-split
         k_rows = ops.indexer_k_cache_write(
-            self.wk(x),
+            k,
             self.k_norm.weight,
             self.k_norm.bias,
             self.k_norm.eps,
@@ -245,10 +247,15 @@ class MLAAttention(nn.Module):
         self.v_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         heads = config.num_attention_heads
-        # q_a_proj and kv_a_proj_with_mqa read the same hidden state: one matmul (one pass over
-        # x, one launch at decode), the checkpoint's two tensors its two parts.
+        # q_a_proj, the indexer's wk and kv_a_proj_with_mqa read the same hidden state: one
+        # matmul (one pass over x, one launch at decode), the checkpoint's three tensors its
+        # parts. In this order DeepSeek-V3.2's parts but the last fill whole 128-row FP8 blocks
+        # (1536, 128, then 576), so the merged weight stays FP8; a checkpoint whose q_a does but
+        # whose wk does not would have the three dequantized (the layer is FP8 whole or not).
         self.q_kv_a_proj = MergedReplicatedLinear(
-            config.hidden_size, [config.q_lora_rank, self.kv_lora_rank + self.rope_dim], dtype
+            config.hidden_size,
+            [config.q_lora_rank, config.index_head_dim, self.kv_lora_rank + self.rope_dim],
+            dtype,
         )
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, dtype)
         self.q_b_proj = ColumnParallelLinear(
@@ -275,7 +282,8 @@ class MLAAttention(nn.Module):
         indexer does no work at all (MTP draft steps that share step 0's selection)."""
         cos, sin = cos_sin
         num_tokens = x.shape[0]
-        q_a, kv_a = self.q_kv_a_proj.split(self.q_kv_a_proj(x))  # [T, q_lora], [T, kv_lora + rope]
+        # [T, q_lora], [T, index_head_dim], [T, kv_lora + rope]
+        q_a, index_k, kv_a = self.q_kv_a_proj.split(self.q_kv_a_proj(x))
         q_latent = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -294,7 +302,7 @@ class MLAAttention(nn.Module):
         # has the steps' own positions after the kept row's padding, so it is walked whole.
         used_positions = None
         if topk is None:
-            topk = self.indexer(x, q_latent, cos_sin, meta, index_cache)
+            topk = self.indexer(x, q_latent, index_k, cos_sin, meta, index_cache)
             used_positions = meta.positions
         q_absorbed = self._absorb_q(q_nope)  # [T, H, kv_lora]
         out_latent = ops.sparse_mla_attention(

@@ -15,8 +15,18 @@ from workers.tiny_model import make_tiny_model
 
 # Heads whose nope and v parts are whole 128-row scale blocks, as DeepSeek-V3.2's (128, 128): MLA's
 # kv_b_proj then stays FP8 and is read by kernels/fp8_mla_absorb.py (the tiny model's 16 and 16
-# are dequantized on load).
-WHOLE_BLOCK_HEADS = dict(num_attention_heads=2, qk_nope_head_dim=128, v_head_dim=128)
+# are dequantized on load). And q_a and the indexer's wk of whole blocks (DeepSeek-V3.2's 1536 and
+# 128): the merged q_a + wk + kv_a stays FP8, its three parts' scale grids stacked. A hidden size
+# of two blocks gives each part's rows two scales: wk's output is layer-normed, so a single scale
+# read from the wrong part would not show.
+WHOLE_BLOCK_HEADS = dict(
+    num_attention_heads=2,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    q_lora_rank=128,
+    index_head_dim=128,
+    hidden_size=256,
+)
 
 
 def _dequantize(tensors):
@@ -29,8 +39,12 @@ def _dequantize(tensors):
 
 @pytest.mark.parametrize(
     "heads, quantize",
-    [("tiny", _quantize_checkpoint), ("whole-block", _quantize_checkpoint_ue8m0)],
-    ids=["tiny-heads-amax", "whole-block-heads-ue8m0"],
+    [
+        ("tiny", _quantize_checkpoint),
+        ("whole-block", _quantize_checkpoint_ue8m0),
+        ("whole-block", _quantize_checkpoint),  # scales that differ block to block
+    ],
+    ids=["tiny-heads-amax", "whole-block-heads-ue8m0", "whole-block-heads-amax"],
 )
 def test_fp8_checkpoint_greedy_equals_transformers_on_the_dequantized_weights(
     tiny_model_dir, tmp_path, heads, quantize
@@ -49,4 +63,6 @@ def test_fp8_checkpoint_greedy_equals_transformers_on_the_dequantized_weights(
         assert layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn  # served from FP8
         kv_b = layers[0].self_attn.kv_b_proj.weight
         assert (kv_b.dtype == torch.float8_e4m3fn) == (heads == "whole-block")
+        q_kv_a = layers[0].self_attn.q_kv_a_proj.weight
+        assert (q_kv_a.dtype == torch.float8_e4m3fn) == (heads == "whole-block")
         assert [o.token_ids for o in llm.generate(_prompts(512), params)] == reference, k
