@@ -52,13 +52,20 @@ def test_mla_kv_cache_write_matches_twin(
     assert_close(cache_tri, cache_ref)  # also: untouched slots keep their old contents
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens,head_dim,rope_half", [(1, 7, 2), (7, 37, 5), (131, 128, 32)])
 def test_indexer_k_cache_write_matches_twin(
-    dtype: torch.dtype, num_tokens: int, head_dim: int, rope_half: int
+    dtype: torch.dtype, num_tokens: int, head_dim: int, rope_half: int, strided: bool
 ) -> None:
+    """`strided`: k is the middle part of a wider output, as the model passes it (q_a | wk | kv_a,
+    one matmul)."""
     torch.manual_seed(num_tokens)
     k = torch.randn(num_tokens, head_dim, dtype=dtype, device=DEVICE) * 2 + 0.5
+    if strided:
+        wide = torch.randn(num_tokens, 11 + head_dim + 5, dtype=dtype, device=DEVICE)
+        wide[:, 11 : 11 + head_dim] = k
+        k = wide[:, 11 : 11 + head_dim]
     ln_weight = torch.randn(head_dim, dtype=dtype, device=DEVICE)
     ln_bias = torch.randn(head_dim, dtype=dtype, device=DEVICE)
     cos, sin = _cos_sin(num_tokens, rope_half)
