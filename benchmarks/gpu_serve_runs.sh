@@ -37,7 +37,11 @@ serve_pair() {  # $1: name; the rest: bench_serve arguments (offline and HTTP in
     two*) extra=(--no-colocate) ;;
   esac
   case $shape in *-proxy) extra+=(--proxy); name=$name-proxy ;; esac
+  # Eight requests per client (32 at one): bench_serve's default two made passes of 0.2-0.8 s
+  # on the tiny model, mostly a level's first burst and last drain, whose ratios to offline moved
+  # 0.57-0.99 between passes. Arguments after the shape override these.
   python3 benchmarks/bench_serve.py --device cuda --concurrency $levels --max-tokens 128 \
+    --rounds 8 --min-requests 32 \
     --actor-num-cpus 1 ${extra[@]+"${extra[@]}"} "$@" ${more[@]+"${more[@]}"} \
     --json "$out/$name.json"
 }
