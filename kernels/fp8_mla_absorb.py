@@ -271,13 +271,42 @@ def _check(
     return heads
 
 
+@dataclass(frozen=True)
+class _HeadPart:
+    """One part of every head's kv_b_proj rows as the kernel reads it, [H, N, K] through strides
+    (nothing copied): W_UK transposed (n: a latent column, k: a nope row) or W_UV as stored
+    (n: a v row, k: a latent column)."""
+
+    weight: torch.Tensor  # from the part's first row
+    scale_inv: torch.Tensor  # from the part's first scale row
+    strides: tuple[int, int, int]  # head, n, k
+    scale_strides: tuple[int, int, int]
+
+    @classmethod
+    def w_uk(cls, weight: torch.Tensor, scale_inv: torch.Tensor, nope_dim: int, v_dim: int):
+        head_rows = nope_dim + v_dim
+        return cls(
+            weight,
+            scale_inv,
+            (head_rows * weight.stride(0), 1, weight.stride(0)),
+            (head_rows // FP8_BLOCK * scale_inv.stride(0), 1, scale_inv.stride(0)),
+        )
+
+    @classmethod
+    def w_uv(cls, weight: torch.Tensor, scale_inv: torch.Tensor, nope_dim: int, v_dim: int):
+        head_rows = nope_dim + v_dim
+        return cls(
+            weight[nope_dim:],
+            scale_inv[nope_dim // FP8_BLOCK :],
+            (head_rows * weight.stride(0), weight.stride(0), 1),
+            (head_rows // FP8_BLOCK * scale_inv.stride(0), scale_inv.stride(0), 1),
+        )
+
+
 def _head_matmul(
     x: torch.Tensor,  # [T, H, K]
-    weight: torch.Tensor,  # the part's first row (W_UK: row 0, W_UV: row nope)
-    scale_inv: torch.Tensor,  # the part's first scale row
+    part: _HeadPart,
     out: torch.Tensor,  # [T, H, N]
-    w_strides: tuple[int, int, int],  # head, n, k
-    s_strides: tuple[int, int, int],
     pow2_scales: bool,
     config: AbsorbConfig | None,
 ) -> torch.Tensor:
@@ -300,8 +329,8 @@ def _head_matmul(
         grid,
         x,
         x,
-        weight,
-        scale_inv,
+        part.weight,
+        part.scale_inv,
         out,
         num_rows,
         n_out,
@@ -310,13 +339,13 @@ def _head_matmul(
         x.stride(1),
         out.stride(0),
         out.stride(1),
-        *w_strides,
-        *s_strides,
+        *part.strides,
+        *part.scale_strides,
         BLOCK_M=config.block_m,  # 1: x is [1, BLOCK_K]
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
         SCALE_BLOCK=FP8_BLOCK,
-        N_CONTIGUOUS=w_strides[1] == 1,
+        N_CONTIGUOUS=part.strides[1] == 1,
         ONE_ROW=one_row,
         POW2_SCALES=pow2_scales,
         UPCAST_DOT=dot_in_fp32(x.dtype),
@@ -341,17 +370,8 @@ def absorb_q_triton(
     heads = _check(q_nope, weight, scale_inv, nope_dim, v_dim)
     kv_lora = weight.shape[1]
     out = torch.empty(q_nope.shape[0], heads, kv_lora, dtype=q_nope.dtype, device=q_nope.device)
-    head_rows = nope_dim + v_dim
-    return _head_matmul(
-        q_nope,
-        weight,
-        scale_inv,
-        out,
-        (head_rows * weight.stride(0), 1, weight.stride(0)),  # n: latent column, k: nope row
-        (head_rows // FP8_BLOCK * scale_inv.stride(0), 1, scale_inv.stride(0)),
-        pow2_scales,
-        config,
-    )
+    part = _HeadPart.w_uk(weight, scale_inv, nope_dim, v_dim)
+    return _head_matmul(q_nope, part, out, pow2_scales, config)
 
 
 def absorb_out_triton(
@@ -370,14 +390,5 @@ def absorb_out_triton(
     if o_latent.shape[2] != weight.shape[1]:
         raise ValueError(f"o_latent has {o_latent.shape[2]} columns, the weight {weight.shape[1]}")
     out = torch.empty(o_latent.shape[0], heads, v_dim, dtype=o_latent.dtype, device=o_latent.device)
-    head_rows = nope_dim + v_dim
-    return _head_matmul(
-        o_latent,
-        weight[nope_dim:],  # W_UV of head 0
-        scale_inv[nope_dim // FP8_BLOCK :],
-        out,
-        (head_rows * weight.stride(0), weight.stride(0), 1),  # n: v row, k: latent column
-        (head_rows // FP8_BLOCK * scale_inv.stride(0), scale_inv.stride(0), 1),
-        pow2_scales,
-        config,
-    )
+    part = _HeadPart.w_uv(weight, scale_inv, nope_dim, v_dim)
+    return _head_matmul(o_latent, part, out, pow2_scales, config)
