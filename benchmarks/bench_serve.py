@@ -566,6 +566,20 @@ def steps_between(before, after, row: LevelResult) -> None:
             row.step_time_s = after[2] - before[2]
 
 
+def first_requests_line(name: str, row: LevelResult) -> str:
+    """One line for the ten first requests: their latencies' ratio and the engine's steps over
+    them (the steps table's mean step and busy share), so a slow first ten shows whether the
+    engine's steps or the time around them were slow."""
+    ms = [s * 1e3 for s in row.latency_s]
+    line = f"  {name} first request {ms[0]:.1f} ms, tenth {ms[-1]:.1f} ms (x{ms[0] / ms[-1]:.2f})"
+    if row.num_steps and row.step_time_s is not None:
+        line += (
+            f"; {row.num_steps} steps, mean step {row.step_time_s / row.num_steps * 1e3:.2f} ms,"
+            f" engine busy {row.step_time_s / row.wall_s:.0%}"
+        )
+    return line
+
+
 def served_step_counts(url: str) -> tuple[int, int] | None:
     """`step_counts` of the replica's engine, from /health (one replica: what the bench
     deploys; the engine process sends its stats whenever a request ends)."""
@@ -839,13 +853,11 @@ def _offline_engine(model, engine_options, prompts, levels, args):
     engine = LLMEngine(EngineConfig(model=model, **config))
     # The engine's own first requests after it is built, one at a time as the server's are
     # timed: what a slow first request owes to the device or the engine rather than the server.
+    steps_before = step_counts(dataclasses.asdict(engine.stats()))
     first = run_offline(engine, prompts, 1, 10, args.max_tokens)
+    steps_between(steps_before, step_counts(dataclasses.asdict(engine.stats())), first)
     first_ms = [s * 1e3 for s in first.latency_s]
-    print(
-        f"  offline first request {first_ms[0]:.1f} ms, tenth {first_ms[-1]:.1f} ms "
-        f"(x{first_ms[0] / first_ms[-1]:.2f})",
-        flush=True,
-    )
+    print(first_requests_line("offline", first), flush=True)
     run_offline(engine, prompts, max(levels), max(levels), min(args.max_tokens, 8))  # warm-up
     return engine, first_ms
 
@@ -978,14 +990,12 @@ def _serve(engine_options, prompts, levels, paths, args, deploy, port, direct, p
     # The first requests after the server said it was ready, one at a time, before any warm-up
     # of the server's completion path (the client's connection is made first, untimed):
     # compilation or graph capture left for them shows as a slow first one.
+    steps_before = served_step_counts(url)
     first = server.run(prompts, "full", 1, 10, args.max_tokens, warm_client=True)
+    steps_between(steps_before, served_step_counts(url), first)
     first_ms = [s * 1e3 for s in first.latency_s]
     if len(first_ms) == 10:
-        print(
-            f"  first request after ready {first_ms[0]:.1f} ms, tenth {first_ms[9]:.1f} ms "
-            f"(x{first_ms[0] / first_ms[9]:.2f})",
-            flush=True,
-        )
+        print(first_requests_line("served", first), flush=True)
     top = max(levels)
     for path in paths:  # warm-up
         server.run(prompts, path, top, top, min(args.max_tokens, 8))
