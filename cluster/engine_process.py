@@ -241,6 +241,7 @@ def main(argv: list[str]) -> int:
     try:
         from cluster.engine import LLMEngine
         from cluster.engine_loop import EngineLoop
+        from workers.long_lived import freeze_long_lived, thaw
 
         engine = LLMEngine(config, deltas_only=True)  # the caller keeps the cumulative fields
     except BaseException as e:  # noqa: BLE001 - the caller raises it
@@ -249,6 +250,7 @@ def main(argv: list[str]) -> int:
         logger.exception("the engine failed to start")
         conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return 1
+    freeze_long_lived("engine process")
     info = EngineInfo(
         engine.config,
         engine.warm_up,
@@ -263,6 +265,7 @@ def main(argv: list[str]) -> int:
         pass
     finally:
         engine.shutdown()
+        thaw()
     return 0
 
 

@@ -20,6 +20,7 @@ import os
 
 from parallel.distributed import destroy_distributed, init_distributed, open_store
 from workers.batch import StepFailure, StepInput, StepOutput
+from workers.long_lived import freeze_long_lived, thaw
 from workers.worker import WarmUp, Worker, WorkerSpec, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,9 @@ class WorkerActor:
         return self.worker.num_kv_blocks, self.worker.has_mtp
 
     def warm_up(self, num_draft_tokens: int, share_topk: bool) -> WarmUp:
-        return self.worker.warm_up(num_draft_tokens, share_topk)
+        warm = self.worker.warm_up(num_draft_tokens, share_topk)
+        freeze_long_lived(f"rank {self.rank}")  # this process lives as long as the rank
+        return warm
 
     def execute(self, step: StepInput) -> StepOutput | None:
         output = self.worker.execute(step)
@@ -82,5 +85,6 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
+        thaw()
         self.worker = None
         destroy_distributed()

@@ -1,0 +1,42 @@
+"""A process that serves one engine freezes what it built out of the cyclic garbage collector.
+
+After loading and warm-up a serving process holds ~220k objects the collector tracks (torch,
+the model's modules, Triton's state; the tiny model on the CPU), and they live as long as the
+process. A full collection scans them all: 106 ms on the 2-core box (`benchmarks/bench_gc.py`,
+BENCHMARKS.md session 26), a stall of every request in flight. Python runs one after ten
+middle-generation runs once the oldest generation has grown by a quarter: rare (none in a
+15 s pass of the offline engine at 16 sequences), but each one is a step 100 ms late.
+`gc.freeze()` moves everything alive now to a permanent generation the collector never scans
+(a full collection then costs ~0 ms); what the steps allocate later is collected as before.
+Only where the process's lifetime is the engine's (its own engine process, a rank's actor):
+an engine rebuilt inside a longer-lived process would leave its frozen cycles uncollected.
+`thaw` before a normal exit returns the objects, so the process tears them down as usual.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_long_lived(what: str) -> int:
+    """Collect, then freeze every object alive now; -> how many are frozen."""
+    started_s = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info(
+        "%s: %d long-lived objects frozen out of the garbage collector's scans (%.0f ms)",
+        what,
+        frozen,
+        (time.perf_counter() - started_s) * 1e3,
+    )
+    return frozen
+
+
+def thaw() -> None:
+    """Undo `freeze_long_lived` (before a normal exit, or before dropping what it froze)."""
+    gc.unfreeze()
