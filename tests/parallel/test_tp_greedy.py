@@ -34,6 +34,12 @@ def _niceness(actor) -> int:
     return os.nice(0)
 
 
+def _frozen_objects(actor) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def _tp_llm(ray, model_dir: str, **options):
     """An LLM on Ray ranks of this test's shape (fp32, half a CPU each); the helpers that run
     on the ranks travel by value."""
@@ -135,6 +141,10 @@ def test_auto_executor_picks_ray_for_tp2(ray_local, tiny_model_dir, prompts, tp1
         ray_local.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         workers = llm.engine.executor.workers
         assert ray_local.get([w.run.remote(_niceness) for w in workers], timeout=60) == [0, 0]
+        # Each rank froze what it built once warm (workers/long_lived.py): a full collection of
+        # it would stall every step of the engine.
+        frozen = ray_local.get([w.run.remote(_frozen_objects) for w in workers], timeout=60)
+        assert min(frozen) > 10_000, frozen
     finally:
         llm.engine.shutdown()
 
