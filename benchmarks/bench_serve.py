@@ -522,6 +522,16 @@ def where_time_goes_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def step_figures(
+    num_steps: int, step_time_s: float | None, wall_s: float | None
+) -> tuple[str, str]:
+    """(a step's mean time in ms, the share of the wall time spent inside steps), "-" where the
+    engine did not count its step time."""
+    if step_time_s is None:
+        return "-", "-"
+    return f"{step_time_s / num_steps * 1e3:.2f}", f"{step_time_s / wall_s:.0%}" if wall_s else "-"
+
+
 def steps_table(rows: list[dict]) -> str:
     """The engine's steps per level: how many, how many carried a prompt, tokens per step, a
     step's mean time, and the share of the level's wall time spent inside steps."""
@@ -534,9 +544,7 @@ def steps_table(rows: list[dict]) -> str:
         steps, prefills = r.get("num_steps"), r.get("num_prefill_steps")
         if not steps:
             continue
-        step_time_s, wall_s = r.get("step_time_s"), r.get("wall_s")
-        mean_step = f"{step_time_s / steps * 1e3:.2f}" if step_time_s is not None else "-"
-        busy = f"{step_time_s / wall_s:.0%}" if step_time_s is not None and wall_s else "-"
+        mean_step, busy = step_figures(steps, r.get("step_time_s"), r.get("wall_s"))
         lines.append(
             f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} | {steps} "
             f"| {prefills} ({prefills / steps:.0%}) | {r['num_output_tokens'] / steps:.1f} "
@@ -572,11 +580,9 @@ def first_requests_line(name: str, row: LevelResult) -> str:
     engine's steps or the time around them were slow."""
     ms = [s * 1e3 for s in row.latency_s]
     line = f"  {name} first request {ms[0]:.1f} ms, tenth {ms[-1]:.1f} ms (x{ms[0] / ms[-1]:.2f})"
-    if row.num_steps and row.step_time_s is not None:
-        line += (
-            f"; {row.num_steps} steps, mean step {row.step_time_s / row.num_steps * 1e3:.2f} ms,"
-            f" engine busy {row.step_time_s / row.wall_s:.0%}"
-        )
+    if row.num_steps:
+        mean_step, busy = step_figures(row.num_steps, row.step_time_s, row.wall_s)
+        line += f"; {row.num_steps} steps, mean step {mean_step} ms, engine busy {busy}"
     return line
 
 
