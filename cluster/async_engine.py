@@ -360,9 +360,12 @@ class AsyncEngine:
                             timings, delivery.token_stamps, arrived_s, last_stamp_s
                         )
                 out = join_outputs([delivery.output for delivery in ready])
+                # Before the yield: a caller that stops reading after the last output (closing
+                # this generator at the yield) must not abort a request the engine has already
+                # ended (the abort's round trip to the loop held every such caller up a step).
+                finished = out.finished
                 yield out
-                if out.finished:
-                    finished = True
+                if finished:
                     if out.finish_reason == "error":
                         failed = EngineDeadError if self._dead is not None else RequestFailedError
                         raise failed(out.error or "engine failure")

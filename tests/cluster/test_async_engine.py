@@ -130,6 +130,35 @@ def test_abort_mid_stream_frees_every_block(engine):
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_caller_that_stops_at_the_last_output_aborts_nothing(engine, monkeypatch, stream):
+    # The model server reads up to the finished output and closes the generator there. The
+    # engine has ended that request: an abort would be a wasted command whose round trip to the
+    # step loop (a step or more) held up every completed response.
+    posted = []
+    post = engine._post
+
+    def recording(command):
+        posted.append(type(command).__name__)
+        post(command)
+
+    monkeypatch.setattr(engine, "_post", recording)
+
+    async def run():
+        outputs = engine.generate(PROMPT, _greedy(6), stream=stream)
+        async for out in outputs:
+            if out.finished:
+                break
+        await outputs.aclose()
+        return out
+
+    last = asyncio.run(run())
+    assert last.finished and last.finish_reason == "length"
+    assert posted == ["Add"]
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
 def test_bad_input_is_an_invalid_request(engine):
     with pytest.raises(InvalidRequestError) as err:
         asyncio.run(_collect(engine, PROMPT, SamplingParams(max_tokens=-1)))
