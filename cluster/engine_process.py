@@ -31,12 +31,14 @@ import os
 import queue
 import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from cluster.config import EngineConfig
@@ -70,15 +72,82 @@ class EngineInfo:
     stats: Any  # cluster.engine.EngineStats when it was ready (None: not sent)
 
 
+class _Writer:
+    """Writes pickled messages to `sock` as `multiprocessing.connection.Connection.recv` reads
+    them, in order, without ever blocking the caller. A message goes out on the caller's thread
+    when nothing is queued and the socket takes it whole (a command is a few hundred bytes); what
+    the socket does not take, and everything after it until that is written, goes to a thread of
+    its own. Why not always the thread: handing each command over cost ~1 ms on a busy event
+    loop's process (the thread waits for the GIL), on the path of every request to the engine."""
+
+    _MAX_FRAME = 0x7FFFFFFF  # Connection's 4-byte length; longer messages need its 8-byte form
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._queued = 0  # frames the thread has yet to write
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.broken = False  # a write failed: the peer is gone
+        self._thread = threading.Thread(
+            target=self._write_queued, name="engine-sender", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, message) -> None:
+        """Raises BrokenPipeError once a write found the peer gone."""
+        if self.broken:
+            raise BrokenPipeError("the engine process is gone")
+        payload = bytes(ForkingPickler.dumps(message))  # as Connection.send pickles
+        if len(payload) > self._MAX_FRAME:
+            frame = struct.pack("!iQ", -1, len(payload)) + payload
+        else:
+            frame = struct.pack("!i", len(payload)) + payload
+        with self._lock:
+            if not self._queued:
+                try:
+                    sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as e:
+                    self.broken = True
+                    raise BrokenPipeError("the engine process is gone") from e
+                if sent == len(frame):
+                    return
+                frame = frame[sent:]
+            self._queued += 1
+            self._outbox.put(frame)
+
+    def stop(self) -> None:
+        """The thread ends (after what it holds is written, or a write failed)."""
+        self._outbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _write_queued(self) -> None:
+        while (frame := self._outbox.get()) is not None:
+            try:
+                self._sock.sendall(frame)
+            except OSError:
+                self.broken = True
+                return
+            with self._lock:
+                self._queued -= 1
+
+
 class EngineStartError(RuntimeError):
     """The engine process failed before it was ready (its traceback is in the message)."""
 
 
 class EngineProcess:
     """The caller's end: starts the engine process and talks to it. `send` may be called from
-    any thread and never blocks: a thread of its own writes the messages, so that an event loop
-    posting a long prompt (a 128k-token prompt pickles to ~0.6 MB, more than a socket buffer)
-    does not wait for the engine to finish a step and read it. `recv` from one thread only."""
+    any thread and never blocks (`_Writer`): an event loop posting a long prompt (a 128k-token
+    prompt pickles to ~0.6 MB, more than a socket buffer) does not wait for the engine to finish
+    a step and read it. `recv` from one thread only."""
 
     def __init__(self, config: EngineConfig, stream_chunks_per_s: float = 0.0):
         mine, theirs = socket.socketpair()
@@ -93,11 +162,9 @@ class EngineProcess:
             env=env,
         )
         theirs.close()
-        self._conn = Connection(mine.detach())
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._broken = False  # a write failed: the engine process is gone
-        self._sender = threading.Thread(target=self._send_all, name="engine-sender", daemon=True)
-        self._sender.start()
+        self._conn = Connection(os.dup(mine.fileno()))  # reads
+        self._writer = _Writer(mine)
+        self._writer.start()
         self.send(("config", config, stream_chunks_per_s))
         try:
             message = self._conn.recv()
@@ -116,19 +183,9 @@ class EngineProcess:
         return self._process.pid
 
     def send(self, message: tuple) -> None:
-        """Queue `message`; raises BrokenPipeError once a write found the engine process gone
-        (before that, its loss shows as EOF to `recv`)."""
-        if self._broken:
-            raise BrokenPipeError("the engine process is gone")
-        self._outbox.put(message)
-
-    def _send_all(self) -> None:
-        while (message := self._outbox.get()) is not None:
-            try:
-                self._conn.send(message)
-            except OSError:
-                self._broken = True
-                return
+        """Send `message` without blocking (see `_Writer`); raises BrokenPipeError once a write
+        found the engine process gone (before that, its loss shows as EOF to `recv`)."""
+        self._writer.send(message)
 
     def recv(self) -> tuple:
         """The next message; EOFError or OSError once the engine process is gone."""
@@ -151,8 +208,8 @@ class EngineProcess:
         if self._process.poll() is None:
             self._process.kill()
             self._process.wait()
-        self._outbox.put(None)  # the sender ends
-        self._sender.join(timeout=5)
+        self._writer.stop()
+        self._writer.close()
         self._conn.close()
 
 

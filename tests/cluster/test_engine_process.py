@@ -8,12 +8,16 @@ import asyncio
 import os
 import re
 import signal
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
 
 import pytest
 
 from cluster.async_engine import AsyncEngine, EngineDeadError
 from cluster.config import EngineConfig
-from cluster.engine_process import EngineStartError, runs_in_own_process
+from cluster.engine_process import EngineStartError, _Writer, runs_in_own_process
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 4, 99], [17] * 40]
@@ -221,3 +225,57 @@ def test_the_engine_process_freezes_what_it_built_and_exits_quietly(tiny_model_d
     frozen = re.search(r"engine process: (\d+) long-lived objects frozen", err)
     assert frozen and int(frozen.group(1)) > 10_000, err[-2000:]
     assert "leaked" not in err
+
+
+def _pair():
+    ours, theirs = socket.socketpair()
+    return ours, Connection(theirs.detach())
+
+
+def test_the_writer_sends_a_small_message_at_once_without_its_thread():
+    ours, reader = _pair()
+    writer = _Writer(ours)  # its thread not started: only the caller's thread writes
+    writer.send(("command", "small"))
+    assert reader.poll(5) and reader.recv() == ("command", "small")
+    writer.close()
+    reader.close()
+
+
+def test_the_writer_keeps_the_order_when_the_socket_is_full():
+    # Messages larger than the socket's buffer go partly at once, the rest from the thread; every
+    # message after one waits behind it (the reader, reading meanwhile, frees room at any time),
+    # and all arrive whole and in order.
+    ours, reader = _pair()
+    writer = _Writer(ours)
+    writer.start()
+    big = bytes(range(256)) * 8192  # 2 MiB
+    messages = [("command", i, big if i % 10 == 3 else b"") for i in range(60)]
+    received = []
+
+    def read():
+        for _ in messages:
+            received.append(reader.recv())
+            time.sleep(0.001)
+
+    reading = threading.Thread(target=read)
+    reading.start()
+    for message in messages:
+        writer.send(message)
+    reading.join(timeout=60)
+    assert received == messages
+    writer.stop()
+    writer.close()
+    reader.close()
+
+
+def test_the_writer_says_the_peer_is_gone():
+    ours, reader = _pair()
+    writer = _Writer(ours)
+    writer.start()
+    reader.close()
+    with pytest.raises(BrokenPipeError):
+        for _ in range(100):  # the first write may still land in the buffer
+            writer.send(("command", "after"))
+            time.sleep(0.01)
+    writer.stop()
+    writer.close()
