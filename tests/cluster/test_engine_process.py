@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import re
 import signal
 import socket
+import struct
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -227,28 +229,52 @@ def test_the_engine_process_freezes_what_it_built_and_exits_quietly(tiny_model_d
     assert "leaked" not in err
 
 
-def _pair():
+@pytest.fixture
+def writer_and_reader():
+    """A `_Writer` on one end of a socket pair (its thread not started) and a Connection
+    reading the other end; both closed after the test, the writer's thread stopped."""
     ours, theirs = socket.socketpair()
-    return ours, Connection(theirs.detach())
-
-
-def test_the_writer_sends_a_small_message_at_once_without_its_thread():
-    ours, reader = _pair()
-    writer = _Writer(ours)  # its thread not started: only the caller's thread writes
-    writer.send(("command", "small"))
-    assert reader.poll(5) and reader.recv() == ("command", "small")
+    writer, reader = _Writer(ours), Connection(theirs.detach())
+    yield writer, reader
+    writer.stop()
     writer.close()
     reader.close()
 
 
+def test_the_writer_sends_a_small_message_at_once_without_its_thread(writer_and_reader):
+    writer, reader = writer_and_reader
+    writer.send(("command", "small"))
+    assert reader.poll(5) and reader.recv() == ("command", "small")
+
+
 def test_the_writer_keeps_the_order_when_the_socket_is_full():
-    # Messages larger than the socket's buffer go partly at once, the rest from the thread; every
-    # message after one waits behind it (the reader, reading meanwhile, frees room at any time),
-    # and all arrive whole and in order.
-    ours, reader = _pair()
-    writer = _Writer(ours)
+    # A message larger than the socket's buffer goes partly at once and the rest waits for the
+    # thread; a small one sent next must wait behind it even when the socket has room again
+    # (written at once it would land inside the big one's bytes).
+    ours, theirs = socket.socketpair()
+    writer = _Writer(ours)  # thread not started: what is queued stays queued until start()
+    big = ("command", bytes(range(256)) * 8192)  # 2 MiB
+    writer.send(big)
+    received = theirs.recv(65536)  # room in the socket again; the big one's rest still queued
+    writer.send(("command", "small"))
     writer.start()
-    big = bytes(range(256)) * 8192  # 2 MiB
+    messages = []
+    while len(messages) < 2:  # Connection's framing: a 4-byte big-endian length, the pickle
+        while len(received) < 4 or len(received) < 4 + struct.unpack("!i", received[:4])[0]:
+            received += theirs.recv(1 << 20)
+        size = struct.unpack("!i", received[:4])[0]
+        messages.append(pickle.loads(received[4 : 4 + size]))
+        received = received[4 + size :]
+    assert messages == [big, ("command", "small")] and received == b""
+    writer.stop()
+    writer.close()
+    theirs.close()
+
+
+def test_the_writer_carries_large_messages_whole_to_a_reading_connection(writer_and_reader):
+    writer, reader = writer_and_reader
+    writer.start()
+    big = bytes(range(256)) * 8192  # 2 MiB, more than the socket's buffer
     messages = [("command", i, big if i % 10 == 3 else b"") for i in range(60)]
     received = []
 
@@ -257,25 +283,19 @@ def test_the_writer_keeps_the_order_when_the_socket_is_full():
             received.append(reader.recv())
             time.sleep(0.001)
 
-    reading = threading.Thread(target=read)
+    reading = threading.Thread(target=read, daemon=True)
     reading.start()
     for message in messages:
         writer.send(message)
     reading.join(timeout=60)
     assert received == messages
-    writer.stop()
-    writer.close()
-    reader.close()
 
 
-def test_the_writer_says_the_peer_is_gone():
-    ours, reader = _pair()
-    writer = _Writer(ours)
+def test_the_writer_says_the_peer_is_gone(writer_and_reader):
+    writer, reader = writer_and_reader
     writer.start()
     reader.close()
     with pytest.raises(BrokenPipeError):
         for _ in range(100):  # the first write may still land in the buffer
             writer.send(("command", "after"))
             time.sleep(0.01)
-    writer.stop()
-    writer.close()
