@@ -383,10 +383,53 @@ def profile_step(
     for e in events:
         us = e.device_time_total / 5
         print(f"{us:9.1f} {us / total * 100:5.1f}% {e.count / 5:6.0f}  {e.key[:110]}")
+    routed = routed_on_rank(bench.model, step)
+    if routed is not None:
+        print(routed)
     with_pdl(True)
     if tokens_per_seq == 1:
         graphs = bench.graphs(True, batch)
         print(f"graph replay {bench.graph_ms(graphs, batch, context, 1):.3f} ms/step")
+
+
+def routed_on_rank(model, step) -> str | None:
+    """What the routed experts of this rank computed in `step` (one more eager run of it, the
+    router's choices recorded): the MoE kernels' time follows it, and with random weights it
+    moves with every weight drawn before the routers (a simulated rank of EP=8 holds one of the
+    8 expert groups: a layer sends it ~2 experts or none), so profiles of two trees compare
+    only with it beside them. None without routed experts."""
+    from kernels import ops
+    from workers.model import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return None
+    chosen = []
+    route = ops.moe_route
+
+    def recording_route(*args, **kwargs):
+        weights, ids = route(*args, **kwargs)
+        chosen.append(ids)
+        return weights, ids
+
+    ops.moe_route = recording_route
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        ops.moe_route = route
+    experts = layers[0].experts
+    first, local = experts.first_expert, experts.num_local
+    hit = pairs = 0
+    for ids in chosen:
+        mine = ids[(ids >= first) & (ids < first + local)]
+        pairs += mine.numel()
+        hit += mine.unique().numel()
+    return (
+        f"routed experts computed on this rank in the step: {hit} over {len(chosen)} MoE layer "
+        f"runs ({hit / len(chosen):.2f} a layer; {pairs} token-expert pairs), experts "
+        f"{first}-{first + local - 1} of {experts.num_experts}"
+    )
 
 
 def mtp_round_gaps(
