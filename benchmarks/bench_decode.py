@@ -169,7 +169,12 @@ class DecodeBench:
         positions = (context + torch.arange(tokens_per_seq, device=CUDA)).repeat(batch)
         seq = torch.arange(batch, device=CUDA).repeat_interleave(tokens_per_seq)
         slots = tables[seq, positions // BLOCK].long() * BLOCK + positions % BLOCK
-        ids = torch.randint(0, self.model.config.vocab_size, (batch * tokens_per_seq,), device=CUDA)
+        # Seeded: the same tokens (so, with random routers, the same experts) in every run of
+        # a tree, and in two trees whose weights agree.
+        gen = torch.Generator(CUDA).manual_seed(batch * 1009 + tokens_per_seq)
+        ids = torch.randint(
+            0, self.model.config.vocab_size, (batch * tokens_per_seq,), device=CUDA, generator=gen
+        )
         return ids, positions, slots, tables
 
     def graph_ms(self, graphs: DecodeGraphs, batch: int, context: int, q: int, reps=20) -> float:
