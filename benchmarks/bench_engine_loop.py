@@ -4,9 +4,10 @@ what a step's deltas cost to pickle in each form.
     python benchmarks/bench_engine_loop.py [--tokens 3000] [--repeat 2] [--concurrency 1,8,32,64]
 
 Part 1: one greedy request of `--tokens` tokens on the model-less executor of
-`benchmarks/null_executor.py` with NULL_STEP_S=0 (a step returns at once), so what is timed per
-step is the loop: `LLMEngine.step()` driven here (offline), `AsyncEngine` with the loop on a
-thread, and with the loop in its own process (`cluster/engine_process.py`), streamed and not.
+`benchmarks/null_executor.py` with NULL_STEP_S=0 (a step returns at once; set NULL_STEP_S in the
+environment for steps that sleep as a device step would), so what is timed per step is the loop:
+`LLMEngine.step()` driven here (offline), `AsyncEngine` with the loop on a thread, and with the
+loop in its own process (`cluster/engine_process.py`), streamed and not.
 Part 2: the offline engine's host work per decode step with `--concurrency` requests decoding
 at once (the scheduler, the detokenizer, the outputs: what a step costs the host besides the
 model, not overlapped with the device), per step and per request. Part 3: pickling and
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-output", type=int, default=0, help="part 4's tokens per request")
     ap.add_argument("--long-concurrency", type=int, default=32)
     args = ap.parse_args(argv)
-    os.environ["NULL_STEP_S"] = "0"
+    os.environ.setdefault("NULL_STEP_S", "0")  # part 1's executor step (seconds)
     print("| loop | streamed | us per step |\n|---|---|---|")
     for _ in range(args.repeat):
         print(f"| offline | - | {loop_us_per_step(args.tokens, 'offline', False):.1f} |")
