@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_decode_runs.sh profile  # the kernels of a b = 1 and a b = 32 step (PDL off)
 #   bash benchmarks/gpu_decode_runs.sh pdl      # the b = 1 step with PDL off for one kernel at a time
 #   bash benchmarks/gpu_decode_runs.sh linears  # bench_linear_fp32 and bench_fp8_linear tables
+#   bash benchmarks/gpu_decode_runs.sh shard    # the real model's rank shard: its b = 1 step's kernels
+#                                               # and the experts its routers sent the rank
 set -euo pipefail
 part=${1:-decode}
 export PYTHONPATH=$PWD
@@ -26,7 +28,10 @@ case "$part" in
   linears)
     python3 benchmarks/bench_linear_fp32.py --tokens 1 2 4 8 16 32
     python3 benchmarks/bench_fp8_linear.py --tokens 1 8 32 ;;
+  shard)
+    python3 benchmarks/bench_rank_shard.py --skip-mtp --profile --profile-batch 1 2>&1 |
+      grep -v -i warn ;;
   *)
-    echo "unknown part $part (tests, decode, profile, pdl, linears)" >&2
+    echo "unknown part $part (tests, decode, profile, pdl, linears, shard)" >&2
     exit 2 ;;
 esac
