@@ -2,12 +2,14 @@
 what a step's deltas cost to pickle in each form.
 
     python benchmarks/bench_engine_loop.py [--tokens 3000] [--repeat 2] [--concurrency 1,8,32,64]
+        [--step-s 0.0002]
 
 Part 1: one greedy request of `--tokens` tokens on the model-less executor of
-`benchmarks/null_executor.py` with NULL_STEP_S=0 (a step returns at once; set NULL_STEP_S in the
-environment for steps that sleep as a device step would), so what is timed per step is the loop:
+`benchmarks/null_executor.py` whose step returns at once (`--step-s S`: sleeps S seconds, as a
+device step would), so what is timed per step is the loop (and the step's S):
 `LLMEngine.step()` driven here (offline), `AsyncEngine` with the loop on a thread, and with the
-loop in its own process (`cluster/engine_process.py`), streamed and not.
+loop in its own process (`cluster/engine_process.py`), streamed and not. Parts 2 and 4 always
+take steps that return at once: their figure is host work alone.
 Part 2: the offline engine's host work per decode step with `--concurrency` requests decoding
 at once (the scheduler, the detokenizer, the outputs: what a step costs the host besides the
 model, not overlapped with the device), per step and per request. Part 3: pickling and
@@ -218,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,8,32,64", help="part 2's levels")
     ap.add_argument("--long-output", type=int, default=0, help="part 4's tokens per request")
     ap.add_argument("--long-concurrency", type=int, default=32)
+    ap.add_argument(
+        "--step-s", type=float, default=0.0, help="part 1's executor step, seconds (0: none)"
+    )
     args = ap.parse_args(argv)
-    os.environ.setdefault("NULL_STEP_S", "0")  # part 1's executor step (seconds)
+    os.environ["NULL_STEP_S"] = str(args.step_s)
     print("| loop | streamed | us per step |\n|---|---|---|")
     for _ in range(args.repeat):
         print(f"| offline | - | {loop_us_per_step(args.tokens, 'offline', False):.1f} |")
@@ -227,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             for stream in (True, False):
                 us = loop_us_per_step(args.tokens, mode, stream)
                 print(f"| {mode} | {'yes' if stream else 'no'} | {us:.1f} |", flush=True)
+    os.environ["NULL_STEP_S"] = "0"  # parts 2 and 4: the host's work alone
     print("\n| decoding | host us per step | per request |\n|---|---|---|")
     for _ in range(args.repeat):
         for c in (int(level) for level in args.concurrency.split(",")):
