@@ -21,6 +21,7 @@ from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, SeqWork, StepInput, StepOutput, verify_rows
 from workers.block_tables import BlockTables
+from workers.host_copy import start_copy_to_host
 from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
 from workers.logits_processors import (
     OutputCounts,
@@ -291,11 +292,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])
             argmax = logits.argmax(-1)
         batch.argmax_device = argmax
-        if self.device.type == "cuda":
-            pinned = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
-            argmax = pinned.copy_(argmax, non_blocking=True)
-            batch.argmax_copied = torch.cuda.Event()
-            batch.argmax_copied.record()
+        argmax, batch.argmax_copied = start_copy_to_host(argmax)
         return hidden, logits, argmax
 
     def _sample(

@@ -36,6 +36,7 @@ import torch
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, StepInput
+from workers.host_copy import start_copy_to_host
 from workers.step_tensors import StepTensors
 from workers.topk_share import keep_rows, rows_for_step
 
@@ -386,13 +387,7 @@ class MtpProposer:
                 k,
                 share,
             )
-        if device.type != "cuda":
-            return rows, None
-        pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-        pinned.copy_(rows, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return pinned, copied
+        return start_copy_to_host(rows)
 
     @staticmethod
     def _read(proposal: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[list[int]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from workers.batch import SamplingSpec
+from workers.host_copy import start_copy_to_host
 
 # `batched_probs` top-p of a row that has none: no prefix mass reaches it.
 NO_TOP_P = 2.0
@@ -362,11 +363,7 @@ def verify_and_sample_batch(
     if on_draws is not None:  # device work that goes on behind the draw (the MTP proposal)
         # The copy to the host first: a graph replayed behind the draw may reuse the shared
         # graph pool's memory that holds the sampler graph's output (captured after it).
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
-        host.copy_(out, non_blocking=True)
-        copied = torch.cuda.Event() if out.is_cuda else None
-        if copied is not None:
-            copied.record()
+        host, copied = start_copy_to_host(out)
         on_draws(out)
         if copied is not None:
             copied.synchronize()
