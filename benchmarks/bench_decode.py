@@ -156,8 +156,11 @@ class DecodeBench:
         self.runner = ModelRunner(
             model, max_batch * self.max_blocks + 1, BLOCK, CUDA, 0, max_context
         )
+        # Seeded, as the step's tokens are (`inputs`): the attention reads these caches, so with
+        # the global generator every run's hidden states, and so its routing, differed.
+        gen = torch.Generator(CUDA).manual_seed(1)
         for cache in self.runner.model.kv_caches + self.runner.model.index_caches:
-            cache.normal_()
+            cache.normal_(generator=gen)
 
     def inputs(self, batch: int, context: int, tokens_per_seq: int):
         tables = (
