@@ -15,7 +15,8 @@ export PYTHONPATH=$PWD
 case "$part" in
   tests)
     python3 -m pytest -q -m "gpu or not gpu" tests/kernels/test_linear_fp32.py \
-      tests/kernels/test_gpu_fp8_linear.py tests/workers/test_gpu_engine.py 2>&1 | tail -15 ;;
+      tests/kernels/test_gpu_fp8_linear.py tests/workers/test_gpu_engine.py \
+      tests/workers/test_host_copy.py 2>&1 | tail -15 ;;
   decode)
     python3 benchmarks/bench_decode.py --fp8 --skip-transformers ;;
   profile)
