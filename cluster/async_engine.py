@@ -43,7 +43,7 @@ from cluster.engine_loop import (
     RequestFailedError,
     stream_interval_s,
 )
-from cluster.engine_process import EngineInfo, EngineProcess, runs_in_own_process
+from cluster.engine_process import EngineInfo, EngineProcess, FrameReader, runs_in_own_process
 from cluster.outputs import CumulativeOutput, RequestOutput, failure_delta, join_outputs
 from cluster.sampling_params import SamplingParams
 
@@ -61,9 +61,15 @@ logger = logging.getLogger(__name__)
 # How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The
 # step loop gives the GIL up at every wait on the device and then needs it back at once; with
 # the HTTP side busy in the same process, 5 ms per hand-back would outlast a whole decode step.
-# With the engine in its own process, the threads that receive its outputs and send it requests
-# wait on the HTTP side's event loop the same way.
+# With the engine in its own process, this process's other threads (Serve's, the writer of
+# commands the socket did not take at once) wait on the HTTP side's event loop the same way.
 GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+# How often a caller waiting on a loop that does not read the engine process's messages looks
+# whether the loop that reads them still runs (it may end first, its callers done): if not, the
+# reading moves to the caller's loop. Callers on the reading loop itself wait without looking.
+READER_CHECK_S = 0.2
 
 
 class TokenTimings(Protocol):
@@ -91,10 +97,22 @@ class _Delivery:
     token_stamps: list[tuple[int, float]]
 
 
-def _resolve_soon(future: asyncio.Future, result: object = None) -> None:
-    """Set `future`'s result from another thread (unless it is done or its loop closed)."""
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        future.get_loop().call_soon_threadsafe(_resolve, future, result)
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _resolve_soon(future: asyncio.Future, result: object = None) -> None:
+    """Set `future`'s result: at once on its own loop, else through that loop (unless it is
+    done or its loop closed)."""
+    loop = future.get_loop()
+    if loop is _running_loop():
+        _resolve(future, result)
+        return
+    try:
+        loop.call_soon_threadsafe(_resolve, future, result)
     except RuntimeError:  # the caller's loop is closed
         pass
 
@@ -126,6 +144,66 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
         queue.put_nowait(out)
 
 
+class _LoopReader:
+    """The engine process's messages, read by one event loop's reader callback as they arrive
+    (`frames`, a `cluster.engine_process.FrameReader`): handled on the loop where the callers
+    wait, with no thread between the socket and them. `on_message(message)` for each;
+    `on_eof(process)` once the process is gone. The frames outlive a reader that moves to
+    another loop (what it holds of a message not yet whole stays with them)."""
+
+    def __init__(self, loop, frames: FrameReader, process: EngineProcess, on_message, on_eof):
+        self.loop, self.frames, self.process = loop, frames, process
+        self._on_message, self._on_eof = on_message, on_eof
+        self._fd = frames.fileno()
+        self.attached = True
+        self.ended = False  # it read the process's end
+        loop.add_reader(self._fd, self._readable)
+
+    def serves(self, loop: asyncio.AbstractEventLoop, process: EngineProcess) -> bool:
+        """Whether it reads `process` where `loop`'s callers get what it reads: on `loop`
+        itself, or on a loop that runs (in another thread, passing their outputs on)."""
+        return (
+            process is self.process
+            and self.attached
+            and not self.loop.is_closed()
+            and (self.loop is loop or self.loop.is_running())
+        )
+
+    def _readable(self) -> None:
+        try:
+            messages = self.frames.read()
+        except (EOFError, OSError):
+            self.ended = True
+            self._detach(close=True)
+            self._on_eof(self.process)
+            return
+        for message in messages:
+            try:
+                self._on_message(message)
+            except Exception:  # a bug here must not cost the messages behind it
+                logger.exception("handling the engine process's %r message", message[0])
+
+    def _detach(self, close: bool) -> None:
+        """On the loop's thread, or with the loop not running. The reader goes before the
+        descriptor is closed: its number, once closed, may be another's."""
+        if self.attached:
+            self.attached = False
+            if not self.loop.is_closed():
+                self.loop.remove_reader(self._fd)
+        if close:
+            self.frames.close()
+
+    def detach(self, close: bool) -> None:
+        """Stop reading on this loop (from any thread); `close`: the frames too, for good."""
+        if self.loop.is_running() and self.loop is not _running_loop():
+            try:
+                self.loop.call_soon_threadsafe(self._detach, close)
+                return
+            except RuntimeError:  # closed meanwhile
+                pass
+        self._detach(close)
+
+
 class AsyncEngine:
     """The engine's step loop runs apart from the callers; callers never wait for a step.
 
@@ -136,9 +214,11 @@ class AsyncEngine:
 
     Where the loop runs: on a thread of this process (default), or, with `own_process`, in a
     process of its own (`cluster.engine_process`) where the executor allows it, so that the
-    caller's threads (a Serve replica's) and the engine never wait for one interpreter lock;
-    a thread of this process then receives the loop's messages and hands each output to its
-    caller. `engine` (the `LLMEngine`) is reachable in the thread mode only.
+    caller's threads (a Serve replica's) and the engine never wait for one interpreter lock.
+    The callers' event loop then reads the engine process's messages itself (`_LoopReader`,
+    attached by the first call on a loop) and puts each output in its caller's queue; callers on
+    another running loop get theirs through that loop. `engine` (the `LLMEngine`) is reachable
+    in the thread mode only.
     """
 
     def __init__(
@@ -153,6 +233,7 @@ class AsyncEngine:
         self._aborting_lock = threading.Lock()
         self._process: EngineProcess | None = None
         self._retiring: EngineProcess | None = None  # being replaced by restart()
+        self._reader: _LoopReader | None = None  # reads self._process on a callers' loop
         self._own_process = own_process and runs_in_own_process(config)
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: a serving process
@@ -225,38 +306,70 @@ class AsyncEngine:
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
 
-    # --- the receiving thread (engine in its own process) -----------------------------------------
+    # --- the receiving side (engine in its own process) ------------------------------------------
 
     def _start_process(self, config: EngineConfig) -> None:
         self._process = EngineProcess(config, self.stream_chunks_per_s)
+        self._frames = self._process.open_reader()
         self._info = self._process.info
         self._stats = self._info.stats
         self._probes: dict[str, asyncio.Future] = {}
-        self._receiver = threading.Thread(
-            target=self._receive, args=(self._process,), name="engine-receiver", daemon=True
-        )
-        self._receiver.start()
 
-    def _receive(self, process: EngineProcess) -> None:
-        while True:
-            try:
-                message = process.recv()
-            except (EOFError, OSError):
-                if not self._stopping and process is not self._retiring:
-                    self._lost(process)
+    def _read_here(self) -> None:
+        """Make sure the engine process's messages are read where this caller (on the running
+        loop) gets them: a reader is attached to this loop unless one reads on it, or on another
+        loop that runs, already (one that ended gives its place up). Called before any command
+        goes: a message only ever answers one."""
+        loop = asyncio.get_running_loop()
+        reader = self._reader
+        if reader is not None:
+            if reader.serves(loop, self._process):
                 return
-            if message[0] == "step":
-                _, due, aborted, stats, dead = message
-                if stats is not None:
-                    self._stats = stats
-                if dead is not None:
-                    self._dead = dead
-                self._after_turn(due, aborted)
-            elif message[0] == "probe":
-                _, token, error = message
-                future = self._probes.pop(token, None)
-                if future is not None:
-                    _resolve_soon(future, error)
+            if reader.process is self._process:
+                if reader.ended:
+                    return  # nothing more will come (the callers were failed then)
+                reader.detach(close=False)  # its loop ended or stopped: the frames move on
+            else:  # a process restart() replaced
+                reader.detach(close=True)
+        self._reader = _LoopReader(
+            loop, self._frames, self._process, self._on_message, self._on_eof
+        )
+
+    def _reads_on(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether a caller on `loop` can wait for the engine's messages without looking
+        (`_wait`): the engine runs on a thread, or `loop` reads its process's messages."""
+        reader = self._reader
+        return not self._own_process or (reader is not None and reader.loop is loop)
+
+    async def _wait(self, make):
+        """`await make()` (a fresh awaitable per call) for a caller of the engine process. Off
+        the reading loop it looks every READER_CHECK_S whether that loop still reads; if not,
+        the reading moves here (`_read_here`)."""
+        while True:
+            if self._reads_on(asyncio.get_running_loop()):
+                return await make()
+            try:
+                return await asyncio.wait_for(make(), READER_CHECK_S)
+            except asyncio.TimeoutError:
+                self._read_here()
+
+    def _on_message(self, message: tuple) -> None:
+        if message[0] == "step":
+            _, due, aborted, stats, dead = message
+            if stats is not None:
+                self._stats = stats
+            if dead is not None:
+                self._dead = dead
+            self._after_turn(due, aborted)
+        elif message[0] == "probe":
+            _, token, error = message
+            future = self._probes.pop(token, None)
+            if future is not None:
+                _resolve_soon(future, error)
+
+    def _on_eof(self, process: EngineProcess) -> None:
+        if not self._stopping and process is not self._retiring:
+            self._lost(process)
 
     def _lost(self, process: EngineProcess) -> None:
         """The engine process died (killed, out of memory, a crash in native code): every
@@ -283,9 +396,10 @@ class AsyncEngine:
             self._inbox.append(command)
             self._wakeup.set()
             return
+        self._read_here()
         try:
             self._process.send(("command", command))
-        except OSError:  # the process is gone: its receiver fails what was in flight
+        except OSError:  # the process is gone: its reader fails what was in flight
             if isinstance(command, Add):
                 raise EngineDeadError(self._dead or "the engine process is gone") from None
 
@@ -314,7 +428,11 @@ class AsyncEngine:
             if sub.cumulative is not None:  # a delta from the engine's own process
                 output = sub.cumulative.complete(output)
             by_loop.setdefault(sub.loop, []).append((sub.queue, _Delivery(output, token_stamps)))
+        here = _running_loop()  # the reading loop's own callers get theirs at once
         for loop, items in by_loop.items():
+            if loop is here:
+                _put_all(items)
+                continue
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that caller's loop is closed: nobody is listening
@@ -340,14 +458,18 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         cumulative = CumulativeOutput(list(prompt_token_ids)) if self._own_process else None
-        self._subscribers[request_id] = _Subscriber(asyncio.get_running_loop(), queue, cumulative)
+        loop = asyncio.get_running_loop()
+        self._subscribers[request_id] = _Subscriber(loop, queue, cumulative)
         arrived_s = time.perf_counter()
         last_stamp_s: float | None = None
         finished = False
         try:
             self._post(Add(request_id, prompt_token_ids, params, stream))
             while True:
-                item: _Delivery | Refusal = await queue.get()
+                if self._reads_on(loop):
+                    item: _Delivery | Refusal = await queue.get()
+                else:
+                    item = await self._wait(queue.get)
                 if isinstance(item, Refusal):
                     finished = True
                     raise item.error
@@ -391,7 +513,7 @@ class AsyncEngine:
         if self._own_process and self._dead is not None:
             return  # nobody will answer
         if not self._stopping:
-            await done
+            await self._wait(lambda: asyncio.shield(done))
 
     async def check_health(self) -> None:
         if self._dead is not None:
@@ -403,8 +525,9 @@ class AsyncEngine:
             future = asyncio.get_running_loop().create_future()
             token = uuid.uuid4().hex
             self._probes[token] = future
+            self._read_here()
             self._process.send(("probe", token))
-            error = await future
+            error = await self._wait(lambda: asyncio.shield(future))
             if error is not None:
                 raise RuntimeError(error)
         except Exception as e:
@@ -425,7 +548,9 @@ class AsyncEngine:
         """Rebuild the workers (after a failure); requests in flight were already failed. The
         resolved config: the context and draft length the callers were told stay."""
         if self._own_process:
-            self._retiring = self._process  # its receiver, reading EOF, fails nobody now
+            self._retiring = self._process  # its reader, reading EOF, fails nobody now
+            if self._reader is None:  # never read: nobody else will close its frames
+                self._frames.close()
             self._retiring.stop()
             self._start_process(self._info.config)
             self._dead = None
@@ -453,6 +578,11 @@ class AsyncEngine:
             _resolve_soon(future)
         if self._own_process:
             await asyncio.get_running_loop().run_in_executor(None, self._process.stop)
+            reader = self._reader
+            if reader is not None:
+                reader.detach(close=True)
+            if reader is None or reader.frames is not self._frames:
+                self._frames.close()
             return
         self._wakeup.set()
         self._thread.join(timeout=10)

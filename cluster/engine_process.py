@@ -11,10 +11,13 @@ message per step between them.
     EngineProcess(config)           starts `python -m cluster.engine_process FD`, sends it the
                                     config, waits until its engine is loaded and warm
     .send(("add" | "abort", ...))   commands, applied between two steps
-    .recv()                         one message per step: ("step", outputs, aborted ids, stats
-                                    or None, dead reason or None); ("probe", token, error)
+    .open_reader().read()           what arrived, never waiting: one message per step ("step",
+                                    outputs, aborted ids, stats or None, dead reason or None);
+                                    ("probe", token, error)
 
-The two ends talk over a socketpair (pickled messages: `multiprocessing.connection`). Outputs
+The two ends talk over a socketpair (pickled messages: `multiprocessing.connection`'s framing).
+The caller reads them on its event loop (`FrameReader`, an `add_reader` callback), where they
+are used: no thread between the socket and the loop. Outputs
 cross as deltas (`cluster.outputs.make_request_delta`: tuples, without the fields that grow
 with the request); the caller rebuilds the rest (`cluster.outputs.CumulativeOutput`). If this
 process dies the other end reads EOF; if the caller dies this process exits within a second.
@@ -138,6 +141,66 @@ class _Writer:
                 self._queued -= 1
 
 
+class FrameReader:
+    """Reads messages framed as `Connection.send` frames them (a 4-byte big-endian length, or -1
+    and an 8-byte one, then the pickle) without ever waiting: `read()` takes what the socket
+    holds and returns the whole messages in it; a message not yet whole waits in the buffer for
+    the next read. For an event loop's reader callback: a large message arrives over several
+    callbacks while the loop goes on with other work."""
+
+    _CHUNK = 1 << 18
+
+    def __init__(self, fd: int):
+        self._sock = socket.socket(fileno=os.dup(fd))  # its own descriptor: it closes alone
+        self._buffer = bytearray()
+        self._eof = False
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def read(self) -> list:
+        """The messages that arrived whole; EOFError once the peer is gone and every whole
+        message before that was returned."""
+        while not self._eof:
+            try:  # MSG_DONTWAIT: the descriptor stays blocking for the writer's thread
+                chunk = self._sock.recv(self._CHUNK, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # reset: gone as well
+                chunk = b""
+            if not chunk:
+                self._eof = True
+                break
+            self._buffer += chunk
+            if len(chunk) < self._CHUNK:
+                break  # most likely all there was; the loop calls again if not
+        messages = self._take()
+        if self._eof and not messages:
+            raise EOFError("the engine process closed its end")
+        return messages
+
+    def _take(self) -> list:
+        buffer, pos, messages = self._buffer, 0, []
+        while len(buffer) - pos >= 4:
+            (size,) = struct.unpack_from("!i", buffer, pos)
+            header = 4
+            if size == -1:  # Connection's frame for a message over 2 GiB
+                if len(buffer) - pos < 12:
+                    break
+                (size,) = struct.unpack_from("!Q", buffer, pos + 4)
+                header = 12
+            end = pos + header + size
+            if len(buffer) < end:
+                break
+            messages.append(ForkingPickler.loads(buffer[pos + header : end]))
+            pos = end
+        del buffer[:pos]
+        return messages
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 class EngineStartError(RuntimeError):
     """The engine process failed before it was ready (its traceback is in the message)."""
 
@@ -146,7 +209,7 @@ class EngineProcess:
     """The caller's end: starts the engine process and talks to it. `send` may be called from
     any thread and never blocks (`_Writer`): an event loop posting a long prompt (a 128k-token
     prompt pickles to ~0.6 MB, more than a socket buffer) does not wait for the engine to finish
-    a step and read it. `recv` from one thread only."""
+    a step and read it. Its messages are read through `open_reader()`, never waiting either."""
 
     def __init__(self, config: EngineConfig, stream_chunks_per_s: float = 0.0):
         mine, theirs = socket.socketpair()
@@ -183,12 +246,14 @@ class EngineProcess:
 
     def send(self, message: tuple) -> None:
         """Send `message` without blocking (see `_Writer`); raises BrokenPipeError once a write
-        found the engine process gone (before that, its loss shows as EOF to `recv`)."""
+        found the engine process gone (before that, its loss shows as EOF to a reader)."""
         self._writer.send(message)
 
-    def recv(self) -> tuple:
-        """The next message; EOFError or OSError once the engine process is gone."""
-        return self._conn.recv()
+    def open_reader(self) -> FrameReader:
+        """A reader of this process's messages (one at a time: a message read by one reader is
+        gone for any other). The caller closes it; it outlives `kill()`, which closes only this
+        object's own ends, so an event loop that watches it removes it before it is closed."""
+        return FrameReader(self._conn.fileno())
 
     def exit_status(self) -> str:
         code = self._process.poll()

@@ -299,3 +299,82 @@ def test_the_writer_says_the_peer_is_gone(writer_and_reader):
         for _ in range(100):  # the first write may still land in the buffer
             writer.send(("command", "after"))
             time.sleep(0.01)
+
+
+def test_the_frame_reader_returns_whole_messages_only_and_never_waits():
+    """What the callers' event loop reads the engine process with: Connection's framing read
+    back from whatever part of it has arrived, a message split over many reads, and the peer's
+    end read as EOF only after every whole message before it."""
+    from cluster.engine_process import FrameReader
+
+    ours, theirs = socket.socketpair()
+    reader = FrameReader(ours.fileno())
+    ours.close()  # the reader holds a descriptor of its own
+    assert reader.read() == []  # nothing yet: returns at once
+    small, big = ("step", [1, 2, 3]), ("step", bytes(range(256)) * 8192)  # 2 MiB: many reads
+    frames = b""
+    for message in (small, big, ("probe", "t", None)):
+        payload = pickle.dumps(message)
+        frames += struct.pack("!i", len(payload)) + payload
+    theirs.sendall(frames[:2])  # not even a whole length
+    assert reader.read() == []
+    theirs.sendall(frames[2:40])
+    assert reader.read() == [small]
+    got = []
+    writing = threading.Thread(target=theirs.sendall, args=(frames[40:],), daemon=True)
+    writing.start()
+    deadline = time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += reader.read()
+    writing.join(timeout=30)
+    assert got == [big, ("probe", "t", None)]
+    payload = pickle.dumps("last")
+    theirs.sendall(struct.pack("!i", len(payload)) + payload)
+    theirs.close()
+    time.sleep(0.05)
+    assert reader.read() == ["last"]  # the message before the end first
+    with pytest.raises(EOFError):
+        reader.read()
+    reader.close()
+
+
+def test_callers_on_two_event_loops_at_once_get_their_outputs(process_engine):
+    """One loop reads the engine process's messages; a caller on another running loop (a
+    thread of its own) gets its outputs through that loop, and goes on getting them when that
+    loop ends first: here the short request's loop ends while the long one streams."""
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+    started = threading.Barrier(2)
+
+    def run(name: str, max_tokens: int, stream: bool) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+        async def go():
+            started.wait(timeout=30)  # both loops running before either posts
+            return await _run(process_engine, PROMPTS[0], params, stream, f"loop-{name}")
+
+        try:
+            results[name] = asyncio.run(go())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    for first, second in ((True, False), (False, True)):  # streamed or not, on either side
+        results.clear()
+        threads = [
+            threading.Thread(target=run, args=("short", 2, first), daemon=True),
+            threading.Thread(target=run, args=("long", 200, second), daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads), "a caller never got its end"
+        assert not errors and set(results) == {"short", "long"}
+        short, long = results["short"][-1], results["long"][-1]
+        assert short.finished and len(short.token_ids) == 2
+        assert long.finished and len(long.token_ids) == 200
+        assert long.token_ids[:2] == short.token_ids  # greedy, one prompt
+    # Later calls on a loop of their own (the ones above are closed) are read there.
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = asyncio.run(_run(process_engine, PROMPTS[1], params, False))
+    assert outs[-1].finished and len(outs[-1].token_ids) == 12
