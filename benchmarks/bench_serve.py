@@ -4,7 +4,7 @@
         [--overlap-steps auto|on|off]
         [--concurrency 1,8,32,128] [--max-tokens 128] [--prompt-len 32] [--rounds 2]
         [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--no-colocate]
-        [--repeat 1] [--[no-]interleave] [--executor MODULE:CLASS] [--json PATH]
+        [--repeat 1] [--[no-]interleave] [--executor MODULE:CLASS] [--pin-engines] [--json PATH]
 
 Same checkpoint, device and engine settings for every path (the tiny random checkpoint unless
 told otherwise). Each concurrency level is `concurrency` closed-loop clients sending greedy
@@ -178,34 +178,124 @@ _PROCESS_LABELS = (
 )
 
 
+def _process_label(cmdline: str) -> str | None:
+    for needle, name in _PROCESS_LABELS:
+        if needle in cmdline:
+            if name == "replica":  # ray::ServeReplica:<app>:<deployment>
+                return f"replica {cmdline.split()[0].rsplit(':', 1)[-1].split('.')[0]}"
+            return name
+    return None
+
+
+def _cmdlines() -> dict[int, str]:
+    """This machine's processes' command lines (Linux /proc; empty elsewhere)."""
+    found = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def _core_siblings(cpu: int) -> set[int]:
+    """`cpu` and the hardware threads that share its core."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return {cpu}
+    siblings = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        siblings.update(range(int(low), int(high or low) + 1))
+    return siblings
+
+
+def _pin(pid: int, cpus: set[int], main_thread_only: bool = False) -> None:
+    """Every thread of `pid` (or its main thread only) onto `cpus`."""
+    try:
+        tids = [pid] if main_thread_only else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # gone meanwhile
+            pass
+
+
+def engine_cpus_for(cpus: set[int], siblings_of, num_engines: int):
+    """-> (one CPU per engine, each on a core none of the others' CPUs share; the CPUs left for
+    everything else), or None when fewer than two would be left. `siblings_of(cpu)`: the CPUs
+    of `cpu`'s core."""
+    engine_cpus, reserved = [], set()
+    for _ in range(num_engines):
+        free = sorted(cpus - reserved)
+        if not free:
+            return None
+        engine_cpus.append(free[-1])
+        reserved |= siblings_of(free[-1])
+    rest = cpus - reserved
+    return (engine_cpus, rest) if len(rest) >= 2 else None
+
+
+def pin_engines(client_pids: list[int], offline: bool) -> str:
+    """`--pin-engines`: the served engine's process, and the offline engine (this process's
+    main thread) when it runs beside it, each on a core of its own (with its hardware-thread
+    siblings left idle); every other serving process, the clients and this process's other
+    threads on the remaining CPUs. An experiment: whether the engines' host-bound steps move
+    with where the scheduler puts them next to the HTTP side's processes. -> what was done."""
+    if not hasattr(os, "sched_setaffinity"):
+        return "--pin-engines: no CPU affinity on this platform; nothing pinned"
+    cpus = set(os.sched_getaffinity(0))
+    chosen = engine_cpus_for(cpus, _core_siblings, 2 if offline else 1)
+    if chosen is None:
+        return f"--pin-engines: {len(cpus)} CPUs are too few; nothing pinned"
+    engine_cpus, rest = chosen
+    others = set(client_pids)
+    engines = []
+    for pid, cmdline in _cmdlines().items():
+        label = _process_label(cmdline)
+        if label == "engine process":
+            engines.append(pid)
+        elif label is not None and pid != os.getpid():
+            others.add(pid)
+    if len(engines) != 1:
+        return f"--pin-engines: {len(engines)} engine processes found; nothing pinned"
+    for pid in others:
+        _pin(pid, rest)
+    _pin(engines[0], {engine_cpus[0]})
+    _pin(os.getpid(), rest)
+    pinned = f"served engine process {engines[0]} on CPU {engine_cpus[0]}"
+    if offline:
+        _pin(os.getpid(), {engine_cpus[1]}, main_thread_only=True)
+        pinned += f", offline engine (this process's main thread) on CPU {engine_cpus[1]}"
+    return (
+        f"pinned: {pinned}; {len(others)} other serving and client processes and this "
+        f"process's other threads on CPUs {sorted(rest)} (the engines' core siblings idle)"
+    )
+
+
 def process_cpu_s(named: dict[int, str] | None = None) -> dict[str, float]:
     """CPU seconds (user + system) so far of this machine's serving processes, summed per label:
     each Serve replica by its deployment, the engine process, Ray's own; `named` pids (this
     bench, its clients) under their own label. Linux /proc; empty elsewhere."""
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     totals: dict[str, float] = {}
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return totals
-    for pid in pids:
+    for pid, cmdline in _cmdlines().items():
+        label = (named or {}).get(pid) or _process_label(cmdline)
+        if label is None:
+            continue
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
-            continue
-        label = (named or {}).get(pid)
-        if label is None:
-            for needle, name in _PROCESS_LABELS:
-                if needle in cmdline:
-                    label = name
-                    if name == "replica":  # ray::ServeReplica:<app>:<deployment>
-                        deployment = cmdline.split()[0].rsplit(":", 1)[-1].split(".")[0]
-                        label = f"replica {deployment}"
-                    break
-        if label is None:
             continue
         cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
         totals[label] = totals.get(label, 0.0) + cpu
@@ -728,6 +818,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="HTTP through Serve's proxy even where the ingress replica can serve it directly",
     )
+    ap.add_argument(
+        "--pin-engines",
+        action="store_true",
+        help="an experiment: once the server is up, the served engine's process and the "
+        "offline engine each on a core of their own, every other serving process and the "
+        "clients on the rest (Linux; needs 4 CPUs or more, and 2 more for each engine's "
+        "hardware-thread siblings)",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="passes over the levels")
     ap.add_argument(
         "--interleave",
@@ -789,6 +887,8 @@ def main(argv: list[str] | None = None) -> int:
                 server, first_ms = _serve(
                     engine_options, prompts, levels, http_paths, args, deploy, port, direct, pools
                 )
+                if args.pin_engines:
+                    print(pin_engines(server.client_pids, engine is not None), flush=True)
             for repeat in range(args.repeat):
                 for c in levels:
                     if engine is not None:
@@ -804,6 +904,8 @@ def main(argv: list[str] | None = None) -> int:
                 server, first_ms = _serve(
                     engine_options, prompts, levels, http_paths, args, deploy, port, direct, pools
                 )
+                if args.pin_engines:
+                    print(pin_engines(server.client_pids, offline=False), flush=True)
             for repeat in range(args.repeat):
                 for p in http_paths:
                     rows += [_http_level(server, prompts, p, c, repeat, args) for c in levels]

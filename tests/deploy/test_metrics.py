@@ -403,3 +403,23 @@ def test_bench_serve_spreads_a_level_over_client_processes_and_merges_it_back():
     c = bench.LevelResult("stream", 1, started_s=11.0)
     c.record_text(0, "z")
     assert bench.merge_levels([a, c]).mismatched_prompts == {0}
+
+
+def test_bench_serve_gives_each_pinned_engine_a_core_of_its_own():
+    """`--pin-engines` on a machine of 8 cores with two hardware threads each (CPU i and i + 8
+    share a core): each engine gets one CPU of a core whose sibling nobody gets."""
+    bench = _bench_serve()
+
+    def siblings(cpu: int) -> set[int]:
+        return {cpu % 8, cpu % 8 + 8}
+
+    engines, rest = bench.engine_cpus_for(set(range(16)), siblings, 2)
+    assert engines == [15, 14] and rest == set(range(16)) - {6, 14, 7, 15}
+    engines, rest = bench.engine_cpus_for(set(range(16)), siblings, 1)
+    assert engines == [15] and rest == set(range(16)) - {7, 15}
+    # Without hardware threads a core is a CPU.
+    engines, rest = bench.engine_cpus_for(set(range(4)), lambda c: {c}, 2)
+    assert engines == [3, 2] and rest == {0, 1}
+    # Too few to leave two CPUs for the rest: nothing chosen.
+    assert bench.engine_cpus_for(set(range(2)), lambda c: {c}, 1) is None
+    assert bench.engine_cpus_for({0, 1, 2, 3}, lambda c: {c % 2, c % 2 + 2}, 2) is None
