@@ -378,3 +378,25 @@ def test_callers_on_two_event_loops_at_once_get_their_outputs(process_engine):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = asyncio.run(_run(process_engine, PROMPTS[1], params, False))
     assert outs[-1].finished and len(outs[-1].token_ids) == 12
+
+
+def test_restart_on_one_running_loop_reads_the_new_process(process_engine):
+    """As a Serve replica restarts its engine: on one event loop that keeps running, the rebuild
+    on a thread while the old process is still alive; the loop then reads the new process, and
+    the old one's end fails nobody."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        before = await _run(process_engine, PROMPTS[2], params, True)
+        old_pid = process_engine.pid
+        await asyncio.to_thread(process_engine.restart)
+        assert process_engine.pid != old_pid
+        after = await _run(process_engine, PROMPTS[2], params, False)
+        again = await _run(process_engine, PROMPTS[2], params, True)
+        await process_engine.check_health()
+        return before, after, again
+
+    before, after, again = asyncio.run(run())
+    assert not process_engine.is_dead
+    assert before[-1].token_ids == after[-1].token_ids == again[-1].token_ids
+    assert len(after[-1].token_ids) == 5
