@@ -234,6 +234,7 @@ class AsyncEngine:
         self._process: EngineProcess | None = None
         self._retiring: EngineProcess | None = None  # being replaced by restart()
         self._reader: _LoopReader | None = None  # reads self._process on a callers' loop
+        self._reader_lock = threading.Lock()
         self._own_process = own_process and runs_in_own_process(config)
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: a serving process
@@ -321,19 +322,20 @@ class AsyncEngine:
         loop that runs, already (one that ended gives its place up). Called before any command
         goes: a message only ever answers one."""
         loop = asyncio.get_running_loop()
-        reader = self._reader
-        if reader is not None:
-            if reader.serves(loop, self._process):
-                return
-            if reader.process is self._process:
-                if reader.ended:
-                    return  # nothing more will come (the callers were failed then)
-                reader.detach(close=False)  # its loop ended or stopped: the frames move on
-            else:  # a process restart() replaced
-                reader.detach(close=True)
-        self._reader = _LoopReader(
-            loop, self._frames, self._process, self._on_message, self._on_eof
-        )
+        with self._reader_lock:  # two loops' callers at once must not both attach one
+            reader = self._reader
+            if reader is not None:
+                if reader.serves(loop, self._process):
+                    return
+                if reader.process is self._process:
+                    if reader.ended:
+                        return  # nothing more will come (the callers were failed then)
+                    reader.detach(close=False)  # its loop ended or stopped: the frames move on
+                else:  # a process restart() replaced
+                    reader.detach(close=True)
+            self._reader = _LoopReader(
+                loop, self._frames, self._process, self._on_message, self._on_eof
+            )
 
     def _reads_on(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether a caller on `loop` can wait for the engine's messages without looking
