@@ -396,7 +396,8 @@ def test_restart_on_one_running_loop_reads_the_new_process(process_engine):
         await process_engine.check_health()
         return before, after, again
 
-    before, after, again = asyncio.run(run())
+    # Bounded: a loop that never reads the new process would wait for its outputs forever.
+    before, after, again = asyncio.run(asyncio.wait_for(run(), timeout=120))
     assert not process_engine.is_dead
     assert before[-1].token_ids == after[-1].token_ids == again[-1].token_ids
     assert len(after[-1].token_ids) == 5
