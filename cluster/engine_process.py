@@ -58,10 +58,9 @@ ORPHAN_CHECK_S = 1.0
 
 def runs_in_own_process(config: EngineConfig) -> bool:
     """Whether `config`'s executor can run inside an engine process (see the module doc)."""
-    kind = config.executor
-    if kind == "auto":
-        return config.tp_size == 1
-    return kind != "ray"
+    from cluster.executor import executor_kind
+
+    return executor_kind(config.executor, config.tp_size) != "ray"
 
 
 @dataclass(frozen=True)

@@ -103,10 +103,16 @@ class InProcessExecutor(Executor):
         self.worker = None
 
 
+def executor_kind(executor: str, tp_size: int) -> str:
+    """`EngineConfig.executor` resolved: "inprocess" | "ray" | "package.module:Class"; "auto" is
+    in-process at TP=1 and Ray above."""
+    if executor == "auto":
+        return "inprocess" if tp_size == 1 else "ray"
+    return executor
+
+
 def make_executor(config: EngineConfig) -> Executor:
-    kind = config.executor
-    if kind == "auto":
-        kind = "inprocess" if config.tp_size == 1 else "ray"
+    kind = executor_kind(config.executor, config.tp_size)
     if kind == "inprocess":
         if config.tp_size != 1:
             raise ValueError("the in-process executor runs TP=1 only; use executor='ray'")

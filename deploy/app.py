@@ -7,6 +7,10 @@ engine never straddles nodes):
 
     bundle 0:          {"CPU": replica_num_cpus + actor_num_cpus}    the replica + coordinator
     bundles 1..ranks:  {"CPU": actor_num_cpus, "GPU": gpus_per_worker} one per TP/EP worker rank
+
+An engine whose one rank runs in the replica's process tree (TP=1's in-process executor) has one
+bundle, {"CPU": replica_num_cpus + actor_num_cpus, "GPU": gpus_per_worker}, and the replica asks
+for the GPU itself, so that Ray gives it (and the engine process it starts) that GPU alone.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import EngineConfig
+from cluster.executor import executor_kind
 from cluster.ray_executor import RANK_ENV_VARS
 from deploy.ingress import OpenAIIngress
 from deploy.limits import IngressLimits
@@ -152,19 +157,43 @@ def _gpus_per_worker(args: AppArgs) -> float:
     return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
+def engine_in_replica(args: AppArgs) -> bool:
+    """Whether the engine's one rank runs in the replica's own process tree (the in-process
+    executor of TP=1, or an executor class of one's own): the replica then holds the GPU.
+
+    Ray sets CUDA_VISIBLE_DEVICES only in an actor that asks for GPUs; one that asks for none
+    sees every GPU of its node, and the engine process it starts takes the first. A TP=1 engine
+    whose GPU was reserved in a bundle of its own would then run on the node's GPU 0, with every
+    other TP=1 replica of that node."""
+    kind = executor_kind(args.engine_option("executor"), args.engine_option("tp_size"))
+    return kind != "ray"
+
+
 def placement_bundles(args: AppArgs) -> list[dict[str, float]]:
-    worker_bundle = {"CPU": args.actor_num_cpus}
-    if (gpus := _gpus_per_worker(args)) > 0:
-        worker_bundle["GPU"] = gpus
+    """Bundle 0 holds the replica and its coordinator (and, for an engine in the replica, its
+    GPU); a Ray executor's ranks get one bundle each after it."""
+    gpus = {"GPU": g} if (g := _gpus_per_worker(args)) > 0 else {}
     head_bundle = {"CPU": args.replica_num_cpus + args.actor_num_cpus}
+    if engine_in_replica(args):
+        return [{**head_bundle, **gpus}]
+    worker_bundle = {"CPU": args.actor_num_cpus, **gpus}
     return [head_bundle] + [dict(worker_bundle) for _ in range(args.num_worker_ranks)]
+
+
+def replica_actor_options(args: AppArgs) -> dict[str, float]:
+    """The engine replica's own resources (inside bundle 0): its CPU, and the GPU of an engine
+    that runs in its process tree (Ray then sets CUDA_VISIBLE_DEVICES to that GPU)."""
+    options = {"num_cpus": args.replica_num_cpus}
+    if engine_in_replica(args) and (gpus := _gpus_per_worker(args)) > 0:
+        options["num_gpus"] = gpus
+    return options
 
 
 def _engine_replica_options(args: AppArgs) -> dict[str, Any]:
     """Serve options of the deployment that owns an engine (the model server, or the colocated
     server): its workers in the replica's placement group, slow loads, graceful drains."""
     return dict(
-        ray_actor_options={"num_cpus": args.replica_num_cpus},
+        ray_actor_options=replica_actor_options(args),
         placement_group_bundles=placement_bundles(args),
         placement_group_strategy="STRICT_PACK",
         health_check_period_s=10,

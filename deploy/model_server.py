@@ -1,7 +1,8 @@
 """The model-server deployment: one replica owns one `AsyncEngine` (coordinator plus workers).
 
 Replica lifecycle = engine lifecycle: the engine's workers are created inside the replica's
-placement group (bundle 0 for the replica and coordinator, one bundle per worker rank), so Serve
+placement group (bundle 0 for the replica and coordinator, one bundle per Ray worker rank; a TP=1
+engine runs in the replica's process tree and its GPU is the replica's own), so Serve
 starting, replacing or stopping a replica starts, replaces or stops its whole engine.
 
 Request lifecycle (`generate`):

@@ -57,7 +57,7 @@ def fake_cluster_config(gcs_address: str) -> dict:
                 "node_config": {},
                 "max_workers": 0,
             },
-            # One TP=1 engine per node: {CPU: 0.2} + {CPU: 0.1, GPU: 1} bundles.
+            # One TP=1 engine per node: one {CPU: 0.2, GPU: 1} bundle.
             WORKER_TYPE: {
                 "resources": {"CPU": 1, "GPU": 1},
                 "node_config": {},

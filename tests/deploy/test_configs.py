@@ -33,6 +33,7 @@ def _check_serve_app(app_config) -> None:
         MODEL_SERVER_NAME,
         AppArgs,
         placement_bundles,
+        replica_actor_options,
     )
 
     assert app_config.import_path == "deploy.app:build_app"
@@ -44,7 +45,17 @@ def _check_serve_app(app_config) -> None:
     server = _deployment(app_config, MODEL_SERVER_NAME)
     # Bundles spelled out in YAML equal the ones the builder derives: 1 + one per TP rank.
     assert server.placement_group_bundles == placement_bundles(args)
-    assert len(server.placement_group_bundles) == 1 + args.tp_size
+    # ... and so does the replica's own share of bundle 0 where the YAML spells it out (a TP=1
+    # engine's GPU is the replica's); left out, the builder's applies.
+    actor_options = server.ray_actor_options
+    if hasattr(actor_options, "num_cpus"):
+        expected = replica_actor_options(args)
+        assert {k: getattr(actor_options, k) or 0 for k in ("num_cpus", "num_gpus")} == {
+            "num_cpus": expected["num_cpus"],
+            "num_gpus": expected.get("num_gpus", 0),
+        }
+    # 1 + one per TP rank; one for a TP=1 engine, which runs in the replica's process tree.
+    assert len(server.placement_group_bundles) == (1 if args.tp_size == 1 else 1 + args.tp_size)
     assert server.placement_group_strategy == "STRICT_PACK"
     scaling = server.autoscaling_config
     assert 1 <= scaling["min_replicas"] < scaling["max_replicas"]
