@@ -51,14 +51,21 @@ LOOPBACK = "127.0.0.1"
 
 
 def ensure_ray(config: EngineConfig) -> None:
-    """Start a local Ray if this process is not connected to one yet."""
+    """Connect this process to Ray if it is not yet: to the cluster RAY_ADDRESS names (what
+    `ray job submit` sets in a job's driver, or a user who points at a cluster), else to a
+    local Ray started here."""
     import ray
 
     if ray.is_initialized():
         return
+    if os.environ.get("RAY_ADDRESS"):
+        # The cluster's resources are its own: Ray refuses num_cpus when connecting.
+        ray.init(log_to_driver=True)
+        logger.info("connected to the Ray cluster at %s", os.environ["RAY_ADDRESS"])
+        return
     # The ranks plus room for the coordinator; a GPU box reports its GPUs itself.
     num_cpus = max(os.cpu_count() or 1, int(config.tp_size * config.actor_num_cpus) + 1)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     logger.info("started a local Ray with %d CPUs", num_cpus)
 
 

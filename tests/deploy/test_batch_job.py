@@ -28,7 +28,7 @@ MAX_TOKENS = 160  # long enough (~2 s a request on 2 cores) to interrupt the job
 @pytest.fixture(scope="module")
 def job_head():
     """A fresh single-node Ray head with the dashboard (job server); yields its HTTP address."""
-    with ray_head(num_cpus=1) as head:
+    with ray_head(num_cpus=2) as head:  # two: a TP=2 job's ranks take one each
         yield head.dashboard_url, head.env
 
 
@@ -139,6 +139,53 @@ def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path
     for i, out in enumerate(reference):
         assert by_id[f"p{i}"]["completion_token_ids"] == out.token_ids
         assert by_id[f"p{i}"]["text"] == out.text
+
+
+def test_tp2_batch_job_runs_its_ranks_on_the_cluster(
+    job_head, tiny_model_dir, tmp_path, offline_llm
+):
+    """A TP=2 job: its driver connects to the cluster that runs it (RAY_ADDRESS; Ray refuses
+    num_cpus when connecting, which once failed every TP > 1 job) and its two ranks are actors
+    there. The rows equal offline greedy decoding."""
+    from cluster.sampling_params import SamplingParams
+
+    address, env = job_head
+    prompts = PROMPTS[:3]
+    input_path, output_path = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    rows = [
+        {"id": f"p{i}", "prompt": p, "max_tokens": 12, "temperature": 0.0}
+        for i, p in enumerate(prompts)
+    ]
+    input_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = _job(
+        address,
+        env,
+        "submit",
+        "--",
+        sys.executable,
+        "-m",
+        "deploy.batch",
+        "--input",
+        str(input_path),
+        "--output",
+        str(output_path),
+        "--model",
+        tiny_model_dir,
+        "--device",
+        "cpu",
+        "--tp",
+        "2",
+        "--num-draft-tokens",
+        "0",
+        check=False,
+    )
+    logs = done.stdout + done.stderr
+    assert done.returncode == 0, logs[-4000:]
+    by_id = {r["id"]: r for r in _rows(output_path)}
+    reference = offline_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    for i, out in enumerate(reference):
+        assert by_id[f"p{i}"]["error"] is None, by_id[f"p{i}"]
+        assert by_id[f"p{i}"]["completion_token_ids"] == out.token_ids
 
 
 def test_relative_output_is_refused_with_why(tmp_path):

@@ -34,7 +34,7 @@ from ray import serve
 from deploy.app import build_app
 
 model_dir, port, small_cpu = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
 serve.start(http_options={"host": "127.0.0.1", "port": port})
 args = {
     "model": model_dir,
