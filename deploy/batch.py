@@ -278,6 +278,50 @@ def resolve_paths(input_path: str, output_path: str) -> tuple[str, str]:
     return input_path, output_path
 
 
+def rank_executor(options: dict[str, Any], gpu_here: bool, cluster_gpus: float) -> str:
+    """The executor of a job's engine: "auto" (the engine's default: a TP=1 rank in this
+    process, TP > 1 ranks as Ray actors) or "ray" (a TP=1 rank as an actor that holds one of
+    the cluster's GPUs).
+
+    A job's driver runs on the head node, which on a GPU cluster often has no GPU
+    (deploy/cluster-launcher.yaml's has none). There a TP=1 engine in this process would run
+    the model on the head's CPU (device auto) or fail (device cuda). So when this process sees
+    no GPU but the model is to run on one (device cuda, or auto on a cluster with GPUs), the
+    rank becomes a Ray actor asking for a GPU, which the autoscaler adds a node for if none is
+    free. `ray job submit --entrypoint-num-gpus 1` puts the driver itself on a GPU instead.
+    TP > 1 ranks are actors anyway."""
+    if options.get("tp_size", 1) != 1 or gpu_here:
+        return "auto"
+    device = options.get("device", "auto")
+    wants_gpu = device == "cuda" or (device == "auto" and cluster_gpus > 0)
+    return "ray" if wants_gpu else "auto"
+
+
+def _place_rank(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the executor `rank_executor` picks, under a Ray job (RAY_ADDRESS set)."""
+    if options.get("tp_size", 1) != 1 or options.get("device") == "cpu":
+        return options
+    if not os.environ.get("RAY_ADDRESS"):
+        return options  # not on a cluster: this machine's GPU or CPU, as `mtpserve generate`
+    import ray
+    import torch
+
+    gpu_here = torch.cuda.is_available()
+    cluster_gpus = 0.0
+    if not gpu_here:
+        ray.init(log_to_driver=True)  # the job's cluster (RAY_ADDRESS)
+        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+    if rank_executor(options, gpu_here, cluster_gpus) == "auto":
+        return options
+    print(
+        f"batch: no GPU on {socket.gethostname()} (the job's driver); the engine's rank runs "
+        f"as a Ray actor with a GPU of the cluster ({cluster_gpus:g} GPUs there now)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {**options, "executor": "ray", "device": "cuda"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -299,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         from workers.default_model import default_model_path
 
         model = default_model_path()
+    options = _place_rank(options)
     config = EngineConfig(model=model, max_queued_requests=max(256, args.concurrency), **options)
 
     async def run() -> BatchRunner:

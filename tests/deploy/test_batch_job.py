@@ -220,3 +220,20 @@ def test_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
         resolve_paths("missing.jsonl", output)
     with pytest.raises(ValueError, match="does not exist"):
         resolve_paths("in.jsonl", str(tmp_path / "nowhere" / "out.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "options, gpu_here, cluster_gpus, expected",
+    [
+        ({}, True, 8, "auto"),  # `--entrypoint-num-gpus 1`, or a GPU head: the driver's GPU
+        ({}, False, 8, "ray"),  # a CPU head of a GPU cluster: an actor with a GPU
+        ({}, False, 0, "auto"),  # no GPU anywhere: the CPU, in this process
+        ({"device": "cuda"}, False, 0, "ray"),  # asked for: the autoscaler may add a GPU node
+        ({"device": "cpu"}, False, 8, "auto"),  # asked for the CPU: the head's
+        ({"tp_size": 2}, False, 8, "auto"),  # TP > 1: actors anyway (the Ray executor)
+    ],
+)
+def test_a_tp1_jobs_rank_goes_where_the_gpus_are(options, gpu_here, cluster_gpus, expected):
+    from deploy.batch import rank_executor
+
+    assert rank_executor(options, gpu_here, cluster_gpus) == expected
