@@ -90,6 +90,11 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config():
     [container] = gpu_group["template"]["spec"]["containers"]
     gpus_per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
     assert gpus_per_pod % app_config.args["tp_size"] == 0  # whole engines per pod
+    # The GPU pods' /dev/shm is a memory volume, not the container's 64 MiB: Ray's object store
+    # and NCCL between the pod's ranks need it.
+    volumes = {v["name"]: v for v in gpu_group["template"]["spec"]["volumes"]}
+    [shm] = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
 
 
 def test_cluster_launcher_passes_ray_schema():
