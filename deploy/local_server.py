@@ -43,6 +43,39 @@ class PortInUseError(RuntimeError):
     pass
 
 
+class DoesNotFitError(RuntimeError):
+    """The app asks for more than the local Ray's one node has: Serve would wait for a node
+    that never comes (a local Ray has no autoscaler)."""
+
+
+def check_fits(args: AppArgs) -> None:
+    """Raise DoesNotFitError unless the engine replica's placement group (all of it on one node:
+    STRICT_PACK) and the ingress fit the connected Ray's resources. For a local Ray, whose one
+    node is all there is; a cluster may add nodes, so it is not checked."""
+    import ray
+
+    from deploy.app import placement_bundles
+
+    need: dict[str, float] = {}
+    for bundle in placement_bundles(args):
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
+    if not args.colocate:
+        need["CPU"] = need.get("CPU", 0.0) + args.ingress_num_cpus
+    have = ray.cluster_resources()
+    short = {name: amount for name, amount in need.items() if amount > have.get(name, 0.0) + 1e-9}
+    if not short:
+        return
+    ranks = args.num_worker_ranks
+    wanted = ", ".join(f"{amount:g} {name}" for name, amount in sorted(short.items()))
+    has = ", ".join(f"{have.get(name, 0.0):g} {name}" for name in sorted(short))
+    raise DoesNotFitError(
+        f"the engine ({ranks} rank{'s' if ranks > 1 else ''}) needs {wanted} on one machine and "
+        f"this one has {has}: use fewer ranks (--tensor-parallel-size), smaller "
+        "--actor-num-cpus / --replica-num-cpus, or join a cluster that has them (--address)"
+    )
+
+
 def serves_directly(args: AppArgs, address: str = "local") -> bool:
     """Whether the app's ingress replica can serve HTTP on the user's port itself: a Ray this
     process starts (Ray reads the switch from its processes' environment) and one ingress
@@ -230,6 +263,8 @@ def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = 
         with _stage(*ray_stage):
             start_local_ray(address, direct_port=port if direct else None)
         handle_signals()  # ray.init installs its own SIGTERM handler (sys.exit)
+        if address == "local":
+            check_fits(args)
         # On a GPU the first start also compiles the Triton kernels (cached for later starts).
         with _stage(f"loading {_describe(args)} and warming it up", "model loaded and warmed up"):
             url = deploy(args, host, port, direct=direct)

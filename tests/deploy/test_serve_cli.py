@@ -182,6 +182,47 @@ def test_mtpserve_serve_refuses_a_port_in_use_before_starting_ray(tiny_model_dir
     assert time.monotonic() - started < 60  # refused up front, not after a failed deployment
 
 
+@pytest.mark.no_triton
+def test_mtpserve_serve_refuses_an_engine_this_machine_cannot_hold(tiny_model_dir, tmp_path):
+    """A local Ray has one node and no autoscaler: an engine bigger than the machine would wait
+    for ever (Serve only warns). It is an error that says what is short, and nothing is left."""
+    ray_root = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    cpus = os.cpu_count() or 1
+    try:
+        started = time.monotonic()
+        result = subprocess.run(
+            [
+                MTPSERVE,
+                "serve",
+                "--model",
+                tiny_model_dir,
+                "--device",
+                "cpu",
+                "--port",
+                str(free_port()),
+                "--tensor-parallel-size",
+                "4",
+                "--actor-num-cpus",
+                str(cpus),  # four ranks of the machine's every core
+            ],
+            env={**os.environ, "RAY_TMPDIR": ray_root, "RAY_AUTH_MODE": "disabled"},
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        assert result.returncode == 1, result.stderr[-3000:]
+        needed = 4 * cpus + 0.5 + cpus  # the ranks, the replica and its coordinator
+        assert (
+            f"the engine (4 ranks) needs {needed:g} CPU on one machine and this one has "
+            f"{cpus:g} CPU" in result.stderr
+        ), result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        assert time.monotonic() - started < 100  # refused once Ray is up, not never
+        assert not processes_under(ray_root)
+    finally:
+        kill_processes_under(ray_root)
+
+
 def _listen_addresses(port: int) -> set[str]:
     """The local addresses something listens on at TCP `port`."""
     lines = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
