@@ -66,7 +66,14 @@ def ensure_ray(config: EngineConfig) -> None:
     # The ranks plus room for the coordinator; a GPU box reports its GPUs itself.
     num_cpus = max(os.cpu_count() or 1, int(config.tp_size * config.actor_num_cpus) + 1)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    global _LOCAL_RAY
+    _LOCAL_RAY = True
     logger.info("started a local Ray with %d CPUs", num_cpus)
+
+
+# Whether this process started its own Ray (ensure_ray): one node and no autoscaler, so a
+# placement group bigger than the machine never becomes ready and is refused at once.
+_LOCAL_RAY = False
 
 
 def resolve_step_transport(choice: str, device: str) -> str:
@@ -167,6 +174,16 @@ class RayExecutor(Executor):
         bundle = {"CPU": self.config.actor_num_cpus}
         if num_gpus:
             bundle["GPU"] = num_gpus
+        if _LOCAL_RAY:
+            have = ray.cluster_resources()
+            short = [k for k, v in bundle.items() if v * self.config.tp_size > have.get(k, 0.0)]
+            if short:
+                need = {k: v * self.config.tp_size for k, v in bundle.items()}
+                raise WorkerError(
+                    f"{self.config.tp_size} ranks need {need} and this machine has "
+                    f"{ {k: have.get(k, 0.0) for k in need} }: use fewer ranks or a smaller "
+                    "actor_num_cpus, or run on a Ray cluster that has them (RAY_ADDRESS)"
+                )
         pg = placement_group(
             [dict(bundle) for _ in range(self.config.tp_size)],
             strategy=self.config.placement_strategy,

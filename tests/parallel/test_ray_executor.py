@@ -102,3 +102,39 @@ def test_ranks_live_in_the_replicas_placement_group(ray_local, tiny_model_dir, p
     finally:
         ray.kill(replica)
         remove_placement_group(pg)
+
+
+REFUSED = """
+import sys, time
+from cluster.executor import WorkerError
+from cluster.llm import LLM
+started = time.monotonic()
+try:
+    LLM(sys.argv[1], tp_size=2, device="cuda", num_draft_tokens=0)
+except WorkerError as exc:
+    print("REFUSED", round(time.monotonic() - started, 1), exc)
+"""
+
+
+def test_ranks_a_local_ray_cannot_place_are_refused_at_once(tiny_model_dir):
+    """A Ray this process starts has one node and no autoscaler: two GPU ranks on a machine
+    without two GPUs (here: none) are an error that says so at once, not after the 300 s
+    placement wait. In a child process: no Ray of the test session's in it."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSED, tiny_model_dir],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [s for s in done.stdout.splitlines() if s.startswith("REFUSED ")]
+    seconds = float(line.split()[1])
+    assert seconds < 60, line
+    assert "2 ranks need" in line and "'GPU': 2" in line and "'GPU': 0.0" in line, line
