@@ -50,6 +50,12 @@ LOOPBACK = "127.0.0.1"
 # Ray that mtpserve starts leaves RAY_AUTH_MODE alone (the test suite sets "disabled").
 
 
+# The GCS address of the Ray this process started itself (ensure_ray), if any: one node and no
+# autoscaler, so a placement group bigger than the machine never becomes ready there and is
+# refused at once.
+_LOCAL_RAY: str | None = None
+
+
 def ensure_ray(config: EngineConfig) -> None:
     """Connect this process to Ray if it is not yet: to the cluster RAY_ADDRESS names (what
     `ray job submit` sets in a job's driver, or a user who points at a cluster), else to a
@@ -67,13 +73,8 @@ def ensure_ray(config: EngineConfig) -> None:
     num_cpus = max(os.cpu_count() or 1, int(config.tp_size * config.actor_num_cpus) + 1)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     global _LOCAL_RAY
-    _LOCAL_RAY = True
+    _LOCAL_RAY = ray.get_runtime_context().gcs_address
     logger.info("started a local Ray with %d CPUs", num_cpus)
-
-
-# Whether this process started its own Ray (ensure_ray): one node and no autoscaler, so a
-# placement group bigger than the machine never becomes ready and is refused at once.
-_LOCAL_RAY = False
 
 
 def resolve_step_transport(choice: str, device: str) -> str:
@@ -174,7 +175,7 @@ class RayExecutor(Executor):
         bundle = {"CPU": self.config.actor_num_cpus}
         if num_gpus:
             bundle["GPU"] = num_gpus
-        if _LOCAL_RAY:
+        if _LOCAL_RAY is not None and _LOCAL_RAY == ray.get_runtime_context().gcs_address:
             have = ray.cluster_resources()
             short = [k for k, v in bundle.items() if v * self.config.tp_size > have.get(k, 0.0)]
             if short:
