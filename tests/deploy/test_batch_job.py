@@ -44,6 +44,24 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
+def _batch(input_path: str, output_path: str, model_dir: str, *options: str) -> list[str]:
+    """The job's entrypoint: the batch module on `model_dir`, on CPU."""
+    return [
+        sys.executable,
+        "-m",
+        "deploy.batch",
+        "--input",
+        input_path,
+        "--output",
+        output_path,
+        "--model",
+        model_dir,
+        "--device",
+        "cpu",
+        *options,
+    ]
+
+
 def _job(address: str, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN_DIR / "ray"), "job", *args],
@@ -82,19 +100,7 @@ def test_batch_job_resumes_after_interruption(job_head, tiny_model_dir, tmp_path
         "--working-dir",
         str(job_dir),
         "--",
-        sys.executable,
-        "-m",
-        "deploy.batch",
-        "--input",
-        "prompts.jsonl",
-        "--output",
-        str(output_path),
-        "--model",
-        tiny_model_dir,
-        "--device",
-        "cpu",
-        "--concurrency",
-        "1",
+        *_batch("prompts.jsonl", str(output_path), tiny_model_dir, "--concurrency", "1"),
     ]
 
     # Run 1: interrupted (`ray job stop`) once some rows are on disk.
@@ -162,21 +168,15 @@ def test_tp2_batch_job_runs_its_ranks_on_the_cluster(
         env,
         "submit",
         "--",
-        sys.executable,
-        "-m",
-        "deploy.batch",
-        "--input",
-        str(input_path),
-        "--output",
-        str(output_path),
-        "--model",
-        tiny_model_dir,
-        "--device",
-        "cpu",
-        "--tp",
-        "2",
-        "--num-draft-tokens",
-        "0",
+        *_batch(
+            str(input_path),
+            str(output_path),
+            tiny_model_dir,
+            "--tp",
+            "2",
+            "--num-draft-tokens",
+            "0",
+        ),
         check=False,
     )
     logs = done.stdout + done.stderr

@@ -13,14 +13,11 @@ engine process runs with, read from /proc.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from conftest import SMALL_CPU, free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.child_process import marked_line, run_child
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,18 +76,8 @@ ray.shutdown()
 
 
 def test_each_tp1_replica_engine_sees_only_the_gpu_ray_gave_it(tiny_model_dir):
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, tiny_model_dir, str(free_port()), str(SMALL_CPU)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [s for s in done.stdout.splitlines() if s.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
+    done = run_child(CHILD, tiny_model_dir, str(free_port()), str(SMALL_CPU), timeout_s=240)
+    result = json.loads(marked_line(done, "RESULT"))
     assert result["replicas"] == 2
     # One engine process per replica, each on one GPU of its own.
     assert sorted(result["engines"], key=str) == ["0", "1"], result

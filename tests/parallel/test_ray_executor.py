@@ -120,21 +120,9 @@ def test_ranks_a_local_ray_cannot_place_are_refused_at_once(tiny_model_dir):
     """A Ray this process starts has one node and no autoscaler: two GPU ranks on a machine
     without two GPUs (here: none) are an error that says so at once, not after the 300 s
     placement wait. In a child process: no Ray of the test session's in it."""
-    import os
-    import subprocess
+    from tests.child_process import marked_line, run_child
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    done = subprocess.run(
-        [sys.executable, "-c", REFUSED, tiny_model_dir],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [s for s in done.stdout.splitlines() if s.startswith("REFUSED ")]
-    seconds = float(line.split()[1])
+    line = marked_line(run_child(REFUSED, tiny_model_dir, timeout_s=180), "REFUSED")
+    seconds = float(line.split()[0])
     assert seconds < 60, line
     assert "2 ranks need" in line and "'GPU': 2" in line and "'GPU': 0.0" in line, line
