@@ -212,6 +212,7 @@ def _run(args: argparse.Namespace) -> int:
         from deploy.app import AppArgs
         from deploy.local_server import serve_until_interrupted
         from workers.default_model import default_model_path
+        from workers.loader import check_checkpoint_files
         from workers.model_config import check_model_config
 
         engine = _engine_options(args)
@@ -222,6 +223,7 @@ def _run(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model or default_model_path(), **engine)
         checkpoint = read_checkpoint(config.model)
         check_model_config(checkpoint.model_config, config.tp_size, config.ep_size)
+        check_checkpoint_files(config.model)  # a download cut short: said here, not in a replica
         resolve_config(config, checkpoint)
         app_args = AppArgs(
             model=args.model,

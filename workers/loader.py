@@ -58,11 +58,33 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    from safetensors import SafetensorError
+
     names = {}
     for fname in files:
-        with safe_open(os.path.join(model_dir, fname), "pt") as f:
-            names.update({k: os.path.join(model_dir, fname) for k in f.keys()})
+        path = os.path.join(model_dir, fname)
+        try:
+            with safe_open(path, "pt") as f:
+                names.update({k: path for k in f.keys()})
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a whole safetensors file ({e})") from None
     return names
+
+
+def check_checkpoint_files(model_dir: str) -> None:
+    """Every safetensors file the checkpoint names is there and whole (its header parses and
+    its tensors' bytes are all in the file): a download cut short is an error that names the
+    file, before any weights load or any worker starts. Reads headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(set(checkpoint_files(model_dir).values())):
+        if not os.path.isfile(path):
+            raise CheckpointError(f"missing checkpoint file {path}")
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a whole safetensors file ({e})") from None
 
 
 def has_mtp_layer(names, num_hidden_layers: int) -> bool:

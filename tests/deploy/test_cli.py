@@ -71,3 +71,30 @@ def test_help_says_what_it_does_and_the_commands_to_run():
     for command in ("mtpserve serve  ", "mtpserve serve --model DIR", "mtpserve generate"):
         assert command in described, described
     assert "argument parsing" not in done.stdout  # the module's docstring is for developers
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_checkpoint_cut_short_is_an_error_naming_the_file(tiny_model_dir, tmp_path, command):
+    """A download cut short (a shard truncated) is `mtpserve: error:` naming the shard, exit 2,
+    before Ray or a replica starts: not a replica that Serve retries, traceback after
+    traceback, until the deployment fails."""
+    import shutil
+    import time
+
+    model = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, model)
+    [shard, *_] = sorted(model.glob("*.safetensors"), key=lambda p: -p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    args = ["--prompt", "x"] if command == "generate" else ["--port", "8013"]
+    started = time.monotonic()
+    done = subprocess.run(
+        [MTPSERVE, command, "--model", str(model), "--device", "cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"mtpserve: error: {shard} is not a whole safetensors file" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "starting a local Ray" not in done.stdout
+    assert time.monotonic() - started < 60
