@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from cluster.config import ConfigError
-    from deploy.local_server import DoesNotFitError, PortInUseError
+    from deploy.local_server import DeployFailedError, DoesNotFitError, PortInUseError
     from workers.loader import CheckpointError
     from workers.model_config import ModelConfigError
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"mtpserve: error: {e}\n")
     except EngineArgsError as e:
         parser.exit(2, f"mtpserve: error: {e}\n")
-    except (PortInUseError, DoesNotFitError) as e:
+    except (PortInUseError, DoesNotFitError, DeployFailedError) as e:
         parser.exit(1, f"mtpserve: error: {e}\n")
 
 

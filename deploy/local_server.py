@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -41,6 +42,11 @@ class Interrupted(KeyboardInterrupt):
 
 class PortInUseError(RuntimeError):
     pass
+
+
+class DeployFailedError(RuntimeError):
+    """The app's replicas failed to start (Serve gave up retrying them); the message has their
+    own error's last line."""
 
 
 class DoesNotFitError(RuntimeError):
@@ -183,9 +189,33 @@ def deploy(args: AppArgs, host: str, port: int, direct: bool = False) -> str:
         http_options={"host": host, "port": proxy_port},
         logging_config={"enable_access_log": args.access_log, "log_level": "WARNING"},
     )
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    try:
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    except RuntimeError as exc:  # Serve's "Deploying application ... failed"
+        raise DeployFailedError(f"the server failed to start: {_replicas_error(exc)}") from None
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown_host}:{port}"
+
+
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\b.*:")
+
+
+def _replicas_error(exc: BaseException) -> str:
+    """The last `SomeError: ...` line of what Serve says about the app's deployments (their
+    replicas' tracebacks, whose full text Ray has printed above), or Serve's own message."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(APP_NAME)
+        texts = [d.message for d in app.deployments.values()] + [app.message] if app else []
+    except Exception:  # noqa: BLE001 - the controller may be going: say what serve.run said
+        texts = []
+    for text in texts:
+        lines = [line.strip() for line in (text or "").splitlines()]
+        errors = [line for line in lines if _ERROR_LINE.match(line)]
+        if errors:
+            return f"{errors[-1]} (the replicas' log above has the whole error)"
+    return str(exc)
 
 
 def shutdown() -> None:

@@ -250,9 +250,11 @@ class ModelServer:
         return self.engine_stats()
 
     async def __del__(self):
-        if self._stats_task is not None:
+        # A replica whose engine failed to start has neither (Serve still calls this).
+        if getattr(self, "_stats_task", None) is not None:
             self._stats_task.cancel()
-        await _maybe_await(self._engine.shutdown())
+        if hasattr(self, "_engine"):
+            await _maybe_await(self._engine.shutdown())
 
     def metrics_report(self):
         """This replica's metrics now (`deploy.metrics.MetricsReport`)."""

@@ -103,4 +103,6 @@ class OpenAIServer(OpenAIIngress):
         await self._server.check_health()
 
     async def __del__(self):
-        await self._server.__del__()
+        server = getattr(self, "_server", None)  # None: its engine failed to start
+        if server is not None:
+            await server.__del__()

@@ -223,6 +223,41 @@ def test_mtpserve_serve_refuses_an_engine_this_machine_cannot_hold(tiny_model_di
         kill_processes_under(ray_root)
 
 
+def test_a_replica_that_fails_to_start_is_one_error_line(tiny_model_dir, tmp_path):
+    """A checkpoint that passes every check before Ray but fails in the replica (here a tensor
+    of the wrong shape): Serve retries the replica and gives up; `mtpserve serve` then ends
+    with one `mtpserve: error:` line carrying the replica's own error, exit 1, and nothing of
+    its Ray left. The replicas' teardown after a failed start raises nothing of its own."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "bad-shape"
+    shutil.copytree(tiny_model_dir, model)
+    tensors = load_file(model / "model.safetensors")
+    [name, *_] = sorted(k for k in tensors if k.endswith("mlp.gate_proj.weight"))
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    ray_root = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    try:
+        result = subprocess.run(
+            [MTPSERVE, "serve", "--model", str(model), "--device", "cpu"]
+            + ["--port", str(free_port())],
+            env={**os.environ, "RAY_TMPDIR": ray_root, "RAY_AUTH_MODE": "disabled"},
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
+        assert result.returncode == 1, result.stderr[-3000:]
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("mtpserve: error: the server failed to start: "), last
+        assert f"CheckpointError: tensor '{name}': shape mismatch" in last, last
+        assert "has no attribute" not in result.stderr
+        assert not processes_under(ray_root)
+    finally:
+        kill_processes_under(ray_root)
+
+
 def _listen_addresses(port: int) -> set[str]:
     """The local addresses something listens on at TCP `port`."""
     lines = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
