@@ -101,13 +101,11 @@ class LLMEngine:
         outputs are deltas, for a caller that keeps the cumulative fields (`_output`)."""
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        from workers.loader import check_checkpoint_files
         from workers.model_config import check_model_config
 
         checkpoint = read_checkpoint(config.model)
         # Before any weights load.
         check_model_config(checkpoint.model_config, config.tp_size, config.ep_size)
-        check_checkpoint_files(config.model)
         self.vocab_size = checkpoint.model_config.vocab_size
         # SamplingParams fields for a request that leaves them out (generation_config.json).
         self.sampling_defaults = checkpoint.sampling_defaults

@@ -314,6 +314,7 @@ def load_model(
     from workers.model import DeepseekV32ForCausalLM
 
     config = load_config(model_dir)
+    check_checkpoint_files(model_dir)  # before building the model: a cut-short shard named
     names = checkpoint_files(model_dir)
     with_mtp = enable_mtp and has_mtp_layer(names, config.num_hidden_layers)
     if enable_mtp and not with_mtp:
