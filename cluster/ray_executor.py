@@ -177,9 +177,8 @@ class RayExecutor(Executor):
             bundle["GPU"] = num_gpus
         if _LOCAL_RAY is not None and _LOCAL_RAY == ray.get_runtime_context().gcs_address:
             have = ray.cluster_resources()
-            short = [k for k, v in bundle.items() if v * self.config.tp_size > have.get(k, 0.0)]
-            if short:
-                need = {k: v * self.config.tp_size for k, v in bundle.items()}
+            need = {k: v * self.config.tp_size for k, v in bundle.items()}
+            if any(v > have.get(k, 0.0) for k, v in need.items()):
                 raise WorkerError(
                     f"{self.config.tp_size} ranks need {need} and this machine has "
                     f"{ {k: have.get(k, 0.0) for k in need} }: use fewer ranks or a smaller "

@@ -47,44 +47,44 @@ def load_config(model_dir: str):
     return AutoConfig.from_pretrained(model_dir)
 
 
+def open_safetensors(path: str):
+    """`safe_open(path)`, with a file that is missing, cut short or not safetensors at all as a
+    CheckpointError that names it (a download cut short is the usual cause)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"missing checkpoint file {path}")
+    try:
+        return safe_open(path, "pt")
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a whole safetensors file ({e})") from None
+
+
 def checkpoint_files(model_dir: str) -> dict[str, str]:
     """tensor name -> safetensors file, from the index if there is one."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
             return {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
-    from safetensors import safe_open
-
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    from safetensors import SafetensorError
-
     names = {}
     for fname in files:
         path = os.path.join(model_dir, fname)
-        try:
-            with safe_open(path, "pt") as f:
-                names.update({k: path for k in f.keys()})
-        except SafetensorError as e:
-            raise CheckpointError(f"{path} is not a whole safetensors file ({e})") from None
+        with open_safetensors(path) as f:
+            names.update({k: path for k in f.keys()})
     return names
 
 
-def check_checkpoint_files(model_dir: str) -> None:
-    """Every safetensors file the checkpoint names is there and whole (its header parses and
-    its tensors' bytes are all in the file): a download cut short is an error that names the
-    file, before any weights load or any worker starts. Reads headers only."""
-    from safetensors import SafetensorError, safe_open
-
-    for path in sorted(set(checkpoint_files(model_dir).values())):
-        if not os.path.isfile(path):
-            raise CheckpointError(f"missing checkpoint file {path}")
-        try:
-            with safe_open(path, "pt"):
-                pass
-        except SafetensorError as e:
-            raise CheckpointError(f"{path} is not a whole safetensors file ({e})") from None
+def check_checkpoint_files(model_dir: str, names: dict[str, str] | None = None) -> None:
+    """Every safetensors file the checkpoint names (`names`: `checkpoint_files`, read here if
+    not given) is there and whole (its header parses and its tensors' bytes are all in the
+    file), before any weights load or any worker starts. Reads headers only."""
+    names = names if names is not None else checkpoint_files(model_dir)
+    for path in sorted(set(names.values())):
+        with open_safetensors(path):
+            pass
 
 
 def has_mtp_layer(names, num_hidden_layers: int) -> bool:
@@ -101,15 +101,11 @@ def iter_tensors(
     names: dict[str, str],
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(name, tensor, its FP8 scale_inv or None) for every weight; scale tensors are consumed."""
-    from safetensors import safe_open
-
     by_file: dict[str, list[str]] = {}
     for name, path in names.items():
         by_file.setdefault(path, []).append(name)
     for path, keys in sorted(by_file.items()):
-        if not os.path.isfile(path):
-            raise CheckpointError(f"missing checkpoint file {path}")
-        with safe_open(path, "pt") as f:
+        with open_safetensors(path) as f:
             for name in sorted(keys):
                 if name.endswith("_scale_inv"):
                     continue
@@ -119,7 +115,7 @@ def iter_tensors(
                     scale_name = name + "_scale_inv"
                     if scale_name not in names:
                         raise CheckpointError(f"{name} is FP8 but {scale_name} is missing")
-                    with safe_open(names[scale_name], "pt") as g:
+                    with open_safetensors(names[scale_name]) as g:
                         scale = g.get_tensor(scale_name)
                 yield name, t, scale
 
@@ -314,8 +310,8 @@ def load_model(
     from workers.model import DeepseekV32ForCausalLM
 
     config = load_config(model_dir)
-    check_checkpoint_files(model_dir)  # before building the model: a cut-short shard named
     names = checkpoint_files(model_dir)
+    check_checkpoint_files(model_dir, names)  # a shard cut short: named before the model builds
     with_mtp = enable_mtp and has_mtp_layer(names, config.num_hidden_layers)
     if enable_mtp and not with_mtp:
         logger.warning(
