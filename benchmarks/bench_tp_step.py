@@ -2,7 +2,7 @@
 each step transport of the Ray executor, and an empty step's round trip (transport alone).
 
     python benchmarks/bench_tp_step.py [--model DIR] [--device auto|cpu|cuda] [--steps 200]
-        [--transports calls,graph] [--num-draft-tokens 0] [--json PATH]
+        [--transports socket,graph,calls] [--tp-sizes 1,2] [--num-draft-tokens 0] [--json PATH]
 
 Rows: in-process TP=1 (no Ray at all), then TP=1 and TP=2 through the Ray executor for each
 transport. Columns: median decode-step ms (greedy, one sequence, `--steps` tokens after a
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--empty-steps", type=int, default=300)
-    ap.add_argument("--transports", default="calls,graph")
+    ap.add_argument("--transports", default="socket,graph,calls")
+    ap.add_argument("--tp-sizes", default="1,2", help="1 alone on a one-GPU machine")
     ap.add_argument("--num-draft-tokens", type=int, default=0)
     ap.add_argument("--actor-num-cpus", type=float, default=0.5)
     ap.add_argument("--json", default=None)
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append({"layout": "TP=1 in-process", "step_ms": step_ms, "empty_ms": None})
     print(f"TP=1 in-process: {step_ms:.3f} ms/step", flush=True)
     for transport in args.transports.split(","):
-        for tp in (1, 2):
+        for tp in [int(t) for t in args.tp_sizes.split(",")]:
             config = base.replace(executor="ray", tp_size=tp, step_transport=transport)
             step_ms, empty_ms = measure(config, args.steps, args.empty_steps)
             label = f"TP={tp} Ray, {transport}"
@@ -118,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         empty = "-" if r["empty_ms"] is None else f"{r['empty_ms']:.3f}"
         print(f"| {r['layout']} | {r['step_ms']:.3f} | {r['step_ms'] - reference:+.3f} | {empty} |")
+    by_layout = {r["layout"]: r["step_ms"] for r in rows}
     for transport in args.transports.split(","):
-        tp1 = next(r for r in rows if r["layout"] == f"TP=1 Ray, {transport}")
-        tp2 = next(r for r in rows if r["layout"] == f"TP=2 Ray, {transport}")
-        print(f"TP=2 - TP=1 by {transport}: {tp2['step_ms'] - tp1['step_ms']:+.3f} ms/step")
+        tp1, tp2 = (by_layout.get(f"TP={tp} Ray, {transport}") for tp in (1, 2))
+        if tp1 is not None and tp2 is not None:
+            print(f"TP=2 - TP=1 by {transport}: {tp2 - tp1:+.3f} ms/step")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "device": device, "args": vars(args), "rows": rows}, f)

@@ -105,8 +105,10 @@ class EngineConfig:
     # Ray placement group strategy for the ranks (STRICT_PACK: one node; STRICT_SPREAD: one
     # rank per node). Ignored inside a Serve replica that has its own placement group.
     placement_strategy: str = "STRICT_PACK"
-    # How the Ray executor sends a step to the ranks: "graph" (a Ray Compiled Graph over
-    # shared-memory channels), "calls" (one actor call per rank), "auto" (graph on GPU ranks).
+    # How the Ray executor sends a step to the ranks: "socket" (a Unix socket to each rank, when
+    # every rank is on the coordinator's node), "graph" (a Ray Compiled Graph over shared-memory
+    # channels), "calls" (one actor call per rank); "auto": the socket where every rank is on
+    # the coordinator's node, else the graph on GPU ranks and calls on CPU ranks.
     step_transport: str = "auto"
 
     def __post_init__(self) -> None:

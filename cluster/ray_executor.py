@@ -5,14 +5,17 @@ Start-up (each stage launched on every rank before any is awaited):
   process group -> every rank loads its shard.
 Each step sends the same StepInput to every rank and returns rank 0's StepOutput: one message
 per step whatever the MTP draft length (a rank runs the verify and all its draft sub-steps in one
-`execute`). Two transports (`EngineConfig.step_transport`):
+`execute`). Three transports (`EngineConfig.step_transport`):
+  socket every rank on this process's node: a Unix socket to each rank, whose step loop
+         (`WorkerActor.serve_steps`) blocks on it between steps (cluster.step_sockets).
   graph  a Ray Compiled Graph (`ray.dag`): the driver writes the step once into shared-memory
          channels that every rank's execution loop reads; rank 0's output comes back the same way.
   calls  one actor call per rank with the step inline in the call (no `ray.put`: a put plus the
          ranks fetching the object cost 3.5 ms per step against 1.25 ms inline, two CPU ranks).
 Measured on the 2-core CPU box, an empty step's round trip to two ranks: 0.26 ms by graph, 1.25
-ms by calls. The graph's readers poll their channels, ~0.3 core per rank while idle there, so
-"auto" picks the graph on GPUs (cores to spare) and calls on CPU.
+ms by calls (BENCHMARKS.md has the socket's). The graph's readers poll their channels, ~0.3 core
+per rank while idle there; a socket's reader blocks. "auto" picks the socket where every rank is
+on this node, else the graph on GPUs (cores to spare) and calls on CPU.
 A rank that dies, raises, or hangs past `step_timeout_s` becomes a WorkerError; the engine then
 fails its requests and can be rebuilt (`shutdown` kills the actors and frees the placement group).
 
@@ -77,12 +80,20 @@ def ensure_ray(config: EngineConfig) -> None:
     logger.info("started a local Ray with %d CPUs", num_cpus)
 
 
-def resolve_step_transport(choice: str, device: str) -> str:
-    """-> "graph" | "calls"; "auto" is the graph on GPU ranks, calls on CPU ranks."""
+def resolve_step_transport(choice: str, device: str, ranks_on_this_node: bool) -> str:
+    """-> "socket" | "graph" | "calls"; "auto" is the socket where every rank is on this
+    process's node, else the graph on GPU ranks and calls on CPU ranks."""
+    if choice not in ("auto", "socket", "graph", "calls"):
+        raise ValueError(f"step_transport must be auto, socket, graph or calls, got {choice!r}")
+    if choice == "socket" and not ranks_on_this_node:
+        raise ValueError(
+            "step_transport socket needs every rank on the coordinator's node; "
+            "use graph or calls (or auto) for ranks on other nodes"
+        )
     if choice == "auto":
+        if ranks_on_this_node:
+            return "socket"
         return "graph" if device == "cuda" else "calls"
-    if choice not in ("graph", "calls"):
-        raise ValueError(f"step_transport must be auto, graph or calls, got {choice!r}")
     return choice
 
 
@@ -145,8 +156,18 @@ class RayExecutor(Executor):
         # the engine may use only what the smallest rank can hold.
         self.num_kv_blocks = min(n for n, _ in loaded)
         self.has_mtp = loaded[0][1]
-        self.transport = resolve_step_transport(config.step_transport, device)
-        self._graph = None  # compiled at the first step, which warm_up sends: after its calls
+        here = ray.get_runtime_context().get_node_id()
+        nodes = self._get_all([w.node_id.remote() for w in self.workers], STARTUP_TIMEOUT_S)
+        try:
+            self.transport = resolve_step_transport(
+                config.step_transport, device, all(node == here for node in nodes)
+            )
+        except ValueError as e:
+            self.shutdown()
+            raise WorkerError(str(e)) from None
+        # Compiled, or connected, at the first step, which warm_up sends after its calls.
+        self._graph = None
+        self._sockets = None
         src = config.topk_src_rank
         logger.info(
             "Ray executor: tp=%d ep=%d, %s, %d KV blocks, top-k from %s, steps by %s",
@@ -162,7 +183,7 @@ class RayExecutor(Executor):
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as step:
-            dag = MultiOutputNode([w.execute_in_graph.bind(step) for w in self.workers])
+            dag = MultiOutputNode([w.answer.bind(step) for w in self.workers])
         return dag.experimental_compile(_submit_timeout=self.config.step_timeout_s)
 
     def _placement_group(self, ray, placement_group, num_gpus: int):
@@ -231,6 +252,8 @@ class RayExecutor(Executor):
     def execute(self, step: StepInput) -> StepOutput:
         if not self.workers:
             raise WorkerError("the executor is shut down")
+        if self.transport == "socket":
+            return self._execute_sockets(step)
         if self.transport == "graph":
             if self._graph is None:
                 try:
@@ -266,6 +289,22 @@ class RayExecutor(Executor):
                 pass
         return True
 
+    def _execute_sockets(self, step: StepInput) -> StepOutput:
+        from cluster.step_sockets import StepSockets
+
+        if self._sockets is None:
+            self._sockets = StepSockets(self.workers, STARTUP_TIMEOUT_S)
+        return self._first_answer(self._sockets.execute(step, self.config.step_timeout_s))
+
+    @staticmethod
+    def _first_answer(answers: list) -> StepOutput:
+        """Rank 0's output once every rank has answered; a rank's StepFailure raises (with
+        `step_raised`: every rank finished the step, so it can be re-run)."""
+        failures = [out for out in answers if isinstance(out, StepFailure)]
+        if failures:
+            raise WorkerError(f"a worker raised: {failures[0].error}", step_raised=True)
+        return answers[0]
+
     def _execute_graph(self, step: StepInput) -> StepOutput:
         """The ranks answer a failed step with a StepFailure rather than raising, so the graph's
         result arrives only once every rank has finished the step: a failure in it is then one
@@ -284,10 +323,7 @@ class RayExecutor(Executor):
             raise WorkerError(f"a worker raised: {e}") from e
         except ray.exceptions.RayChannelError as e:  # a reader or writer went away
             raise WorkerError(f"the step channel failed: {e}") from e
-        failures = [out for out in outputs if isinstance(out, StepFailure)]
-        if failures:
-            raise WorkerError(f"a worker raised: {failures[0].error}", step_raised=True)
-        return outputs[0]
+        return self._first_answer(outputs)
 
     def warm_up(self, num_draft_tokens: int, share_topk: bool):
         """Every rank at once (a capture's collectives need them all); then the step graph is
@@ -308,6 +344,9 @@ class RayExecutor(Executor):
         # Killing (not a graceful call): a rank may be stuck in a collective with a dead peer.
         # The compiled graph's loops end with their actors; its teardown then finds them gone.
         graph, self._graph = getattr(self, "_graph", None), None
+        sockets, self._sockets = getattr(self, "_sockets", None), None
+        if sockets is not None:
+            sockets.close()  # the ranks' loops return (a rank stuck in a step is killed below)
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)

@@ -6,7 +6,9 @@ The executor drives the ranks through this lifecycle (each a remote call):
   load()                build this rank's shard of the model and its KV cache
   warm_up(k, share)     every rank at once: capture the CUDA graphs before the engine is ready
   execute(step)         every step, SPMD on all ranks; only rank 0 returns the StepOutput
-  execute_in_graph(s)   the same inside the compiled step graph, a failure returned as StepFailure
+  answer(step)          the same, a failure returned as a StepFailure (the compiled step graph)
+  serve_steps(address)  the socket transport's loop (cluster.step_sockets): read a step and
+                        `answer` it, until the coordinator closes the socket
   ping()                health
 
 This module does not import Ray: the executor wraps the class with `ray.remote(...).options(...)`,
@@ -17,6 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import socket
+import struct
+from multiprocessing.connection import Connection
 
 from parallel.distributed import destroy_distributed, init_distributed, open_store
 from workers.batch import StepFailure, StepInput, StepOutput
@@ -24,6 +30,8 @@ from workers.long_lived import freeze_long_lived, thaw
 from workers.worker import WarmUp, Worker, WorkerSpec, resolve_device
 
 logger = logging.getLogger(__name__)
+
+RANK_HEADER = struct.Struct("!i")  # a rank's first message on its step socket: its rank
 
 
 class WorkerActor:
@@ -64,13 +72,31 @@ class WorkerActor:
         output = self.worker.execute(step)
         return output if self.rank == 0 else None
 
-    def execute_in_graph(self, step: StepInput) -> StepOutput | StepFailure | None:
-        """`execute` for the compiled step graph: a failure is an answer, not a raise."""
+    def answer(self, step: StepInput) -> StepOutput | StepFailure | None:
+        """`execute` for the transports where a rank must not raise (the compiled graph, the
+        socket loop): a failure is an answer, and the coordinator decides."""
         try:
             return self.execute(step)
         except Exception as e:  # the driver decides (WorkerError with step_raised)
             logger.exception("step failed on rank %d", self.rank)
             return StepFailure(f"{type(e).__name__}: {e}")
+
+    def serve_steps(self, address: str) -> None:
+        """The socket step transport's loop, on one of the actor's threads for the engine's
+        life: connect to the coordinator's Unix socket, say which rank this is, then answer
+        each step it writes (blocking reads: an idle rank costs no CPU). Returns when the
+        coordinator closes its end."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(address)
+        with Connection(sock.detach()) as conn:
+            conn.send_bytes(RANK_HEADER.pack(self.rank))
+            while True:
+                try:
+                    step = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    return
+                reply = self.answer(step)
+                conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
 
     def ping(self) -> int:
         return os.getpid()

@@ -1,6 +1,7 @@
-"""The Ray executor's compiled-graph transport (one shared-memory message per step to every
-rank): TP=1's greedy tokens with MTP, health probes while the graph runs, and a hung or killed
-rank is a WorkerError within the step timeout, after which shutdown returns promptly."""
+"""The Ray executor's one-message-per-step transports, the compiled graph (shared-memory channels)
+and the socket (a Unix socket to each rank): TP=1's greedy tokens with MTP, health probes while
+the ranks' loops run, a hung or killed rank is a WorkerError within the step timeout (after which
+shutdown returns promptly), and a request that fails a step fails alone."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ pytestmark = pytest.mark.timeout(240)
 STEP_TIMEOUT_S = 20.0
 
 
-def _config(tiny_model_dir, **changes):
+@pytest.fixture(params=["graph", "socket"])
+def transport(request):
+    return request.param
+
+
+def _config(tiny_model_dir, transport, **changes):
     from cluster.config import EngineConfig
 
     config = EngineConfig(
@@ -27,7 +33,7 @@ def _config(tiny_model_dir, **changes):
         dtype="float32",
         actor_num_cpus=0.5,
         step_timeout_s=STEP_TIMEOUT_S,
-        step_transport="graph",
+        step_transport=transport,
     )
     return config.replace(**changes)
 
@@ -39,27 +45,32 @@ def _hang_forever(actor) -> None:
 def test_resolve_step_transport():
     from cluster.ray_executor import resolve_step_transport
 
-    assert resolve_step_transport("auto", "cuda") == "graph"
-    assert resolve_step_transport("auto", "cpu") == "calls"
-    assert resolve_step_transport("calls", "cuda") == "calls"
+    for device in ("cuda", "cpu"):
+        assert resolve_step_transport("auto", device, ranks_on_this_node=True) == "socket"
+        assert resolve_step_transport("calls", device, ranks_on_this_node=True) == "calls"
+        assert resolve_step_transport("graph", device, ranks_on_this_node=False) == "graph"
+    assert resolve_step_transport("auto", "cuda", ranks_on_this_node=False) == "graph"
+    assert resolve_step_transport("auto", "cpu", ranks_on_this_node=False) == "calls"
+    with pytest.raises(ValueError, match="every rank on the coordinator's node"):
+        resolve_step_transport("socket", "cuda", ranks_on_this_node=False)
     with pytest.raises(ValueError):
-        resolve_step_transport("ray.put", "cpu")
+        resolve_step_transport("ray.put", "cpu", ranks_on_this_node=True)
 
 
-def test_graph_transport_gives_tp1_tokens_and_answers_probes(
-    ray_local, tiny_model_dir, prompts, tp1_tokens
+def test_transport_gives_tp1_tokens_and_answers_probes(
+    ray_local, tiny_model_dir, prompts, tp1_tokens, transport
 ):
     from cluster.llm import LLM
     from workers.batch import StepInput, StepOutput
 
-    llm = LLM(**_config(tiny_model_dir).__dict__)
+    llm = LLM(**_config(tiny_model_dir, transport).__dict__)
     executor = llm.engine.executor
     try:
-        assert executor.transport == "graph"
+        assert executor.transport == transport
         outs = llm.generate(prompts, greedy_params())
         assert [o.token_ids for o in outs] == tp1_tokens
         assert all(o.spec.num_rounds > 0 for o in outs)
-        executor.check_health()  # plain calls beside the graph's loop
+        executor.check_health()  # plain calls beside the ranks' step loops
         assert executor.execute(StepInput([])) == StepOutput([])
     finally:
         started = time.monotonic()
@@ -67,15 +78,15 @@ def test_graph_transport_gives_tp1_tokens_and_answers_probes(
         assert time.monotonic() - started < 30
 
 
-def test_graph_transport_hung_rank_is_an_error_within_the_timeout(
-    ray_local, tiny_model_dir, prompts
+def test_transport_hung_rank_is_an_error_within_the_timeout(
+    ray_local, tiny_model_dir, prompts, transport
 ):
     from cluster.engine import LLMEngine
     from cluster.executor import WorkerError
 
     ray = ray_local
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    engine = LLMEngine(_config(tiny_model_dir, step_timeout_s=5.0))
+    engine = LLMEngine(_config(tiny_model_dir, transport, step_timeout_s=5.0))
     try:
         engine.add_request(prompts[0], greedy_params())
         assert engine.step()
@@ -91,12 +102,12 @@ def test_graph_transport_hung_rank_is_an_error_within_the_timeout(
         assert time.monotonic() - started < 30
 
 
-def test_graph_transport_killed_rank_is_an_error(ray_local, tiny_model_dir, prompts):
+def test_transport_killed_rank_is_an_error(ray_local, tiny_model_dir, prompts, transport):
     from cluster.engine import LLMEngine
     from cluster.executor import WorkerError
 
     ray = ray_local
-    engine = LLMEngine(_config(tiny_model_dir))
+    engine = LLMEngine(_config(tiny_model_dir, transport))
     try:
         engine.add_request(prompts[1], greedy_params())
         assert engine.step()
@@ -121,14 +132,16 @@ def _fail_requests_named_bad(actor) -> None:
     actor.worker.execute = failing
 
 
-def test_graph_transport_isolates_a_failing_request(ray_local, tiny_model_dir, prompts, tp1_tokens):
+def test_transport_isolates_a_failing_request(
+    ray_local, tiny_model_dir, prompts, tp1_tokens, transport
+):
     """Every rank answers the failed step with a StepFailure: the engine re-runs the step
-    without the failing request, which alone ends in an error, and the graph serves on."""
+    without the failing request, which alone ends in an error, and the transport serves on."""
     from cluster.engine import LLMEngine
 
     ray = ray_local
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    engine = LLMEngine(_config(tiny_model_dir, num_draft_tokens=0, ep_size=1))
+    engine = LLMEngine(_config(tiny_model_dir, transport, num_draft_tokens=0, ep_size=1))
     try:
         ray.get([w.run.remote(_fail_requests_named_bad) for w in engine.executor.workers])
         engine.add_request(prompts[0], greedy_params(), "good")
@@ -144,3 +157,86 @@ def test_graph_transport_isolates_a_failing_request(ray_local, tiny_model_dir, p
         engine.executor.check_health()
     finally:
         engine.shutdown()
+
+
+def _echo_worker(actor) -> None:
+    """A rank without a model: each request's answer is its token count."""
+    from workers.batch import SeqResult, StepOutput
+
+    class Echo:
+        def execute(self, step):
+            return StepOutput([SeqResult(s.request_id, [len(s.token_ids)]) for s in step.seqs])
+
+    actor.worker = Echo()
+
+
+def _echo_ranks(ray, count: int) -> list:
+    from workers.worker import WorkerSpec
+    from workers.worker_actor import WorkerActor
+
+    spec = WorkerSpec(
+        model="",
+        tp_size=count,
+        ep_size=1,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=None,
+        block_size_tokens=64,
+        gpu_memory_utilization=0.85,
+        cpu_threads=1,
+        topk_src_rank=None,
+        collective_timeout_s=STEP_TIMEOUT_S,
+    )
+    actor_cls = ray.remote(WorkerActor).options(num_cpus=0, max_concurrency=2)
+    ranks = [actor_cls.remote(rank, spec) for rank in range(count)]
+    ray.get([r.run.remote(_echo_worker) for r in ranks])
+    return ranks
+
+
+def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(ray_local):
+    """The socket transport alone (real actors, no model): every rank's answer comes back in rank
+    order, step after step; a rank killed between steps is a WorkerError as soon as the next
+    step is sent, not after the step timeout; closing lets the live ranks' loops return."""
+    from cluster.executor import WorkerError
+    from cluster.step_sockets import StepSockets
+    from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
+
+    ray = ray_local
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ranks = _echo_ranks(ray, 3)
+    sockets = StepSockets(ranks, timeout_s=60)
+    try:
+        for n in (1, 5, 2):
+            step = StepInput([SeqWork(f"r{n}", list(range(n)), 0, [], 0, True)])
+            expected = StepOutput([SeqResult(f"r{n}", [n])])
+            assert sockets.execute(step, timeout_s=30) == [expected, None, None]
+        assert ray.get([r.ping.remote() for r in ranks], timeout=30)  # beside the loops
+        ray.kill(ranks[2])
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="died"):
+            for _ in range(100):  # the kill lands within a step or two
+                sockets.execute(StepInput([]), timeout_s=STEP_TIMEOUT_S)
+                time.sleep(0.05)
+        assert time.monotonic() - started < 10
+    finally:
+        sockets.close()
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_step_sockets_a_rank_dead_before_connecting_is_an_error(ray_local):
+    from cluster.executor import WorkerError
+    from cluster.step_sockets import StepSockets
+
+    ray = ray_local
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ranks = _echo_ranks(ray, 2)
+    ray.kill(ranks[1])
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match="failed to start"):
+            StepSockets(ranks, timeout_s=60)
+        assert time.monotonic() - started < 20
+    finally:
+        for r in ranks:
+            ray.kill(r)
