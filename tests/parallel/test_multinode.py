@@ -51,4 +51,5 @@ def test_tp2_ep2_one_rank_per_node(tiny_model_dir, prompts, tp1_tokens):
     )
     assert result["alive_nodes"] == 2
     assert len(set(result["rank_nodes"])) == 2  # the group really spans the two nodes
+    assert result["transport"] == "calls"  # auto: a rank off the coordinator's node, on CPU
     assert result["tokens"] == tp1_tokens

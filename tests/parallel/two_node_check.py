@@ -42,6 +42,7 @@ def main() -> int:
             result = {
                 "alive_nodes": len([n for n in ray.nodes() if n["Alive"]]),
                 "rank_nodes": ray.get([w.node_id.remote() for w in workers], timeout=60),
+                "transport": llm.engine.executor.transport,
                 "tokens": [o.token_ids for o in llm.generate(request["prompts"], greedy_params())],
             }
         finally:
