@@ -12,10 +12,10 @@ per step whatever the MTP draft length (a rank runs the verify and all its draft
          channels that every rank's execution loop reads; rank 0's output comes back the same way.
   calls  one actor call per rank with the step inline in the call (no `ray.put`: a put plus the
          ranks fetching the object cost 3.5 ms per step against 1.25 ms inline, two CPU ranks).
-Measured on the 2-core CPU box, an empty step's round trip to two ranks: 0.26 ms by graph, 1.25
-ms by calls (BENCHMARKS.md has the socket's). The graph's readers poll their channels, ~0.3 core
-per rank while idle there; a socket's reader blocks. "auto" picks the socket where every rank is
-on this node, else the graph on GPUs (cores to spare) and calls on CPU.
+Measured on the 2-core CPU box, an empty step's round trip to two ranks: 0.06 ms by socket,
+0.18 ms by graph, 1.0 ms by calls (BENCHMARKS.md, session 32). The graph's readers poll their
+channels, a core per rank while idle there; a socket's reader blocks. "auto" picks the socket
+where every rank is on this node, else the graph on GPUs (cores to spare) and calls on CPU.
 A rank that dies, raises, or hangs past `step_timeout_s` becomes a WorkerError; the engine then
 fails its requests and can be rebuilt (`shutdown` kills the actors and frees the placement group).
 
