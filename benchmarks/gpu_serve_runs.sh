@@ -8,6 +8,7 @@
 # as two deployments (ingress, model server); "-proxy" after either ("two-proxy",
 # "colocated-proxy") sends HTTP through Serve's proxy instead of the ingress replica directly:
 #   bash benchmarks/gpu_serve_runs.sh tp_step               # 2 GPUs: per-step overhead, TP=2 vs 1
+#   bash benchmarks/gpu_serve_runs.sh tp_step1              # 1 GPU: TP=1 by each transport
 #   bash benchmarks/gpu_serve_runs.sh tiny_tp1 [colocated|two]  # tiny model, TP=1
 #   bash benchmarks/gpu_serve_runs.sh tiny_tp2 [colocated|two]  # 2 GPUs: tiny model, TP=2
 #   bash benchmarks/gpu_serve_runs.sh default_tp1 [colocated|two]  # the default model, MTP k=3
@@ -50,7 +51,11 @@ case $part in
   tp_step)
     python3 benchmarks/bench_tp_step.py --device cuda --model "$tiny" --json "$out/tp_step.json"
     python3 benchmarks/bench_tp_step.py --device cuda --model "$tiny" --num-draft-tokens 3 \
-      --transports graph --json "$out/tp_step_mtp3.json"
+      --transports socket,graph --json "$out/tp_step_mtp3.json"
+    ;;
+  tp_step1)
+    python3 benchmarks/bench_tp_step.py --device cuda --model "$tiny" --tp-sizes 1 \
+      --json "$out/tp_step1.json"
     ;;
   tiny_tp1) serve_pair tiny_tp1 --model "$tiny" ;;
   tiny_tp2) serve_pair tiny_tp2 --model "$tiny" --tp 2 ;;
