@@ -32,15 +32,23 @@ from multiprocessing.connection import Connection
 from cluster.executor import WorkerError
 from workers.worker_actor import RANK_HEADER
 
+MAX_FOLDER_CHARS = 90  # AF_UNIX paths end at 107 bytes on Linux (103 on macOS), "/steps" included
+
 
 class StepSockets:
     def __init__(self, workers: list, timeout_s: float):
         self._conns: list[Connection] = []
         folder = tempfile.mkdtemp(prefix="mtpserve-steps-")
+        if len(folder) > MAX_FOLDER_CHARS:  # a long TMPDIR: a socket's path has ~107 bytes
+            os.rmdir(folder)
+            folder = tempfile.mkdtemp(prefix="mtpserve-steps-", dir="/tmp")
         address = os.path.join(folder, "steps")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            server.bind(address)
+            try:
+                server.bind(address)
+            except OSError as e:
+                raise WorkerError(f"the step socket {address} could not be opened: {e}") from e
             server.listen(len(workers))
             server.settimeout(0.2)
             loops = [w.serve_steps.remote(address) for w in workers]

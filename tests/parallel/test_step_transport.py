@@ -240,3 +240,26 @@ def test_step_sockets_a_rank_dead_before_connecting_is_an_error(ray_local):
     finally:
         for r in ranks:
             ray.kill(r)
+
+
+def test_step_sockets_under_a_long_tmpdir(ray_local, tmp_path, monkeypatch):
+    """A socket's path has ~107 bytes: under a TMPDIR longer than that the socket goes to /tmp."""
+    import tempfile
+
+    from cluster.step_sockets import StepSockets
+    from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
+
+    ray = ray_local
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    long_tmp = tmp_path / ("t" * 110)
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    ranks = _echo_ranks(ray, 2)
+    sockets = StepSockets(ranks, timeout_s=60)
+    try:
+        step = StepInput([SeqWork("a", [1, 2, 3], 0, [], 0, True)])
+        assert sockets.execute(step, timeout_s=30) == [StepOutput([SeqResult("a", [3])]), None]
+    finally:
+        sockets.close()
+        for r in ranks:
+            ray.kill(r)
