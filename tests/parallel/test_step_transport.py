@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from benchmarks.bench_step_transport import echo_ranks
 from tests.parallel.conftest import greedy_params
 
 pytestmark = pytest.mark.timeout(240)
@@ -159,40 +160,6 @@ def test_transport_isolates_a_failing_request(
         engine.shutdown()
 
 
-def _echo_worker(actor) -> None:
-    """A rank without a model: each request's answer is its token count."""
-    from workers.batch import SeqResult, StepOutput
-
-    class Echo:
-        def execute(self, step):
-            return StepOutput([SeqResult(s.request_id, [len(s.token_ids)]) for s in step.seqs])
-
-    actor.worker = Echo()
-
-
-def _echo_ranks(ray, count: int) -> list:
-    from workers.worker import WorkerSpec
-    from workers.worker_actor import WorkerActor
-
-    spec = WorkerSpec(
-        model="",
-        tp_size=count,
-        ep_size=1,
-        device="cpu",
-        dtype="float32",
-        num_kv_blocks=None,
-        block_size_tokens=64,
-        gpu_memory_utilization=0.85,
-        cpu_threads=1,
-        topk_src_rank=None,
-        collective_timeout_s=STEP_TIMEOUT_S,
-    )
-    actor_cls = ray.remote(WorkerActor).options(num_cpus=0, max_concurrency=2)
-    ranks = [actor_cls.remote(rank, spec) for rank in range(count)]
-    ray.get([r.run.remote(_echo_worker) for r in ranks])
-    return ranks
-
-
 def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(ray_local):
     """The socket transport alone (real actors, no model): every rank's answer comes back in rank
     order, step after step; a rank killed between steps is a WorkerError as soon as the next
@@ -202,8 +169,7 @@ def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(r
     from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
 
     ray = ray_local
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ranks = _echo_ranks(ray, 3)
+    ranks = echo_ranks(ray, 3)
     sockets = StepSockets(ranks, timeout_s=60)
     try:
         for n in (1, 5, 2):
@@ -229,8 +195,7 @@ def test_step_sockets_a_rank_dead_before_connecting_is_an_error(ray_local):
     from cluster.step_sockets import StepSockets
 
     ray = ray_local
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ranks = _echo_ranks(ray, 2)
+    ranks = echo_ranks(ray, 2)
     ray.kill(ranks[1])
     started = time.monotonic()
     try:
@@ -250,11 +215,10 @@ def test_step_sockets_under_a_long_tmpdir(ray_local, tmp_path, monkeypatch):
     from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
 
     ray = ray_local
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     long_tmp = tmp_path / ("t" * 110)
     long_tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
-    ranks = _echo_ranks(ray, 2)
+    ranks = echo_ranks(ray, 2)
     sockets = StepSockets(ranks, timeout_s=60)
     try:
         step = StepInput([SeqWork("a", [1, 2, 3], 0, [], 0, True)])
