@@ -28,10 +28,16 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 
 def echo_answer(step):
-    """What an echo rank answers: one token per sequence, the sequence's token count."""
+    """What an echo rank answers: per sequence its token count as the token, and its spec's
+    num_prompt_tokens as the draft (so a test sees the spec the rank holds)."""
     from workers.batch import SeqResult, StepOutput
 
-    return StepOutput([SeqResult(s.request_id, [len(s.token_ids)]) for s in step.seqs])
+    return StepOutput(
+        [
+            SeqResult(s.request_id, [len(s.token_ids)], 0, [s.sampling.num_prompt_tokens])
+            for s in step.seqs
+        ]
+    )
 
 
 def _echo_worker(actor) -> None:

@@ -3,7 +3,8 @@
 The ranks are Ray actors on this process's node. At the first step each starts a loop
 (`WorkerActor.serve_steps`, one of its two actor threads) that connects to a socket this
 process listens on, then reads a step, runs it and answers it until the socket closes. A step
-is pickled once and written to every rank's connection; the answer is every rank's (rank 0's
+is encoded once (pickled, each request's SamplingSpec only with its first step:
+workers.step_codec) and written to every rank's connection; the answer is every rank's (rank 0's
 StepOutput, None from the others, or a StepFailure), read once every rank has finished the step,
 as through the compiled graph.
 
@@ -30,6 +31,7 @@ import time
 from multiprocessing.connection import Connection
 
 from cluster.executor import WorkerError
+from workers.step_codec import StepEncoder
 from workers.worker_actor import RANK_HEADER
 
 MAX_FOLDER_CHARS = 90  # AF_UNIX paths end at 107 bytes on Linux (103 on macOS), "/steps" included
@@ -61,6 +63,7 @@ class StepSockets:
             server.close()
             shutil.rmtree(folder, ignore_errors=True)  # connected sockets outlive their path
         self._conns = [by_rank[rank] for rank in range(len(workers))]
+        self._encoder = StepEncoder()  # each request's SamplingSpec once (workers.step_codec)
 
     def _accept(self, server: socket.socket, loops: list, count: int, timeout_s: float) -> dict:
         """Every rank's connection, by rank; a loop that ends first (its actor died, or it
@@ -99,7 +102,7 @@ class StepSockets:
 
     def execute(self, step, timeout_s: float) -> list:
         """Every rank's answer to `step`, in rank order."""
-        payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = self._encoder.encode(step)
         try:
             for conn in self._conns:
                 conn.send_bytes(payload)

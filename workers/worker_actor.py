@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from parallel.distributed import destroy_distributed, init_distributed, open_store
 from workers.batch import StepFailure, StepInput, StepOutput
 from workers.long_lived import freeze_long_lived, thaw
+from workers.step_codec import StepDecoder
 from workers.worker import WarmUp, Worker, WorkerSpec, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -88,11 +89,12 @@ class WorkerActor:
         coordinator closes its end."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(address)
+        decoder = StepDecoder()  # the requests' SamplingSpecs, sent once each
         with Connection(sock.detach()) as conn:
             conn.send_bytes(RANK_HEADER.pack(self.rank))
             while True:
                 try:
-                    step = pickle.loads(conn.recv_bytes())
+                    step = decoder.decode(conn.recv_bytes())
                 except EOFError:
                     return
                 reply = self.answer(step)

@@ -166,15 +166,16 @@ def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(r
     step is sent, not after the step timeout; closing lets the live ranks' loops return."""
     from cluster.executor import WorkerError
     from cluster.step_sockets import StepSockets
-    from workers.batch import SeqResult, SeqWork, StepInput, StepOutput
+    from workers.batch import SamplingSpec, SeqResult, SeqWork, StepInput, StepOutput
 
     ray = ray_local
     ranks = echo_ranks(ray, 3)
     sockets = StepSockets(ranks, timeout_s=60)
     try:
-        for n in (1, 5, 2):
-            step = StepInput([SeqWork(f"r{n}", list(range(n)), 0, [], 0, True)])
-            expected = StepOutput([SeqResult(f"r{n}", [n])])
+        specs = {"a": SamplingSpec(num_prompt_tokens=7), "b": SamplingSpec(num_prompt_tokens=9)}
+        for n, ids in ((1, "a"), (5, "ab"), (2, "b"), (3, "ab")):  # specs sent once each
+            step = StepInput([SeqWork(i, list(range(n)), 0, [], 0, True, specs[i]) for i in ids])
+            expected = StepOutput([SeqResult(i, [n], 0, [specs[i].num_prompt_tokens]) for i in ids])
             assert sockets.execute(step, timeout_s=30) == [expected, None, None]
         assert ray.get([r.ping.remote() for r in ranks], timeout=30)  # beside the loops
         ray.kill(ranks[2])
@@ -222,7 +223,10 @@ def test_step_sockets_under_a_long_tmpdir(ray_local, tmp_path, monkeypatch):
     sockets = StepSockets(ranks, timeout_s=60)
     try:
         step = StepInput([SeqWork("a", [1, 2, 3], 0, [], 0, True)])
-        assert sockets.execute(step, timeout_s=30) == [StepOutput([SeqResult("a", [3])]), None]
+        assert sockets.execute(step, timeout_s=30) == [
+            StepOutput([SeqResult("a", [3], 0, [0])]),
+            None,
+        ]
     finally:
         sockets.close()
         for r in ranks:
