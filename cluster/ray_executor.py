@@ -326,8 +326,9 @@ class RayExecutor(Executor):
         return self._first_answer(outputs)
 
     def warm_up(self, num_draft_tokens: int, share_topk: bool):
-        """Every rank at once (a capture's collectives need them all); then the step graph is
-        compiled and run once empty, so the first request does not pay for that either."""
+        """Every rank at once (a capture's collectives need them all); then one empty step sets
+        the transport up (the ranks' sockets connected, or the step graph compiled), so the
+        first request does not pay for that either."""
         refs = [w.warm_up.remote(num_draft_tokens, share_topk) for w in self.workers]
         result = self._get_all(refs, STARTUP_TIMEOUT_S)[0]
         self.execute(StepInput([]))
