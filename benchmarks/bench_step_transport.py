@@ -50,22 +50,10 @@ def _echo_worker(actor) -> None:
 
 def echo_ranks(ray, count: int) -> list:
     """`count` WorkerActors (real Ray actors, CPU, no model) whose worker is an echo."""
-    from workers.worker import WorkerSpec
+    from workers.worker import bare_worker_spec
     from workers.worker_actor import WorkerActor
 
-    spec = WorkerSpec(
-        model="",
-        tp_size=count,
-        ep_size=1,
-        device="cpu",
-        dtype="float32",
-        num_kv_blocks=None,
-        block_size_tokens=64,
-        gpu_memory_utilization=0.85,
-        cpu_threads=1,
-        topk_src_rank=None,
-        collective_timeout_s=60.0,
-    )
+    spec = bare_worker_spec(count)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     actor_cls = ray.remote(WorkerActor).options(num_cpus=0, max_concurrency=2)
     ranks = [actor_cls.remote(rank, spec) for rank in range(count)]

@@ -6,6 +6,7 @@ The same class runs in-process (TP=1) and inside a Ray actor (workers.worker_act
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -67,6 +68,25 @@ class WorkerSpec:
     indexer_numerics: str = "exact"
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (the MLA latent cache)
     overlap_steps: str = "off"  # cluster.config.EngineConfig.overlap_steps
+
+
+def bare_worker_spec(tp_size: int, **changes) -> WorkerSpec:
+    """The spec of a CPU rank that loads no model (a WorkerActor whose worker a test or a
+    benchmark sets itself): it still forms the process group and answers the executor's calls."""
+    spec = WorkerSpec(
+        model="",
+        tp_size=tp_size,
+        ep_size=1,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=None,
+        block_size_tokens=64,
+        gpu_memory_utilization=0.0,
+        cpu_threads=1,
+        topk_src_rank=None,
+        collective_timeout_s=60.0,
+    )
+    return dataclasses.replace(spec, **changes)
 
 
 def warm_up_prefill_lengths(

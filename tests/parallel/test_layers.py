@@ -21,24 +21,12 @@ def ranks(ray_local):
     """Two bare WorkerActors (no model) that have formed a TP=2 gloo group."""
     ray = ray_local
     from cluster.ray_executor import RayExecutor
-    from workers.worker import WorkerSpec
+    from workers.worker import bare_worker_spec
     from workers.worker_actor import WorkerActor
 
     # The functions below run inside the actors: ship them by value, not by module name.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    spec = WorkerSpec(
-        model="",
-        tp_size=TP,
-        ep_size=1,
-        device="cpu",
-        dtype="float32",
-        num_kv_blocks=None,
-        block_size_tokens=64,
-        gpu_memory_utilization=0.0,
-        cpu_threads=1,
-        topk_src_rank=0,
-        collective_timeout_s=60,
-    )
+    spec = bare_worker_spec(TP, topk_src_rank=0)
     actor_cls = ray.remote(WorkerActor).options(num_cpus=0.25)
     actors = [actor_cls.remote(rank, spec) for rank in range(TP)]
     address = ray.get(actors[0].open_store.remote(), timeout=60)
