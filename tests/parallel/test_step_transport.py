@@ -191,6 +191,17 @@ def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(r
             ray.kill(r)
 
 
+def _wait_until_dead(ray, actor, within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the killed actor still answers after {within_s}s")
+
+
 def test_step_sockets_a_rank_dead_before_connecting_is_an_error(ray_local):
     from cluster.executor import WorkerError
     from cluster.step_sockets import StepSockets
@@ -198,6 +209,7 @@ def test_step_sockets_a_rank_dead_before_connecting_is_an_error(ray_local):
     ray = ray_local
     ranks = echo_ranks(ray, 2)
     ray.kill(ranks[1])
+    _wait_until_dead(ray, ranks[1])  # ray.kill returns before the actor is gone
     started = time.monotonic()
     try:
         with pytest.raises(WorkerError, match="failed to start"):
