@@ -106,7 +106,7 @@ def _transport(ray, name: str, ranks: list):
     from cluster.step_sockets import StepSockets
 
     if name == "socket":
-        sockets = StepSockets(ranks, timeout_s=60)
+        sockets = StepSockets.connect(ranks, timeout_s=60)
         return (lambda step: sockets.execute(step, 60)), sockets.close
     if name == "graph":
         from ray.dag import InputNode, MultiOutputNode

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.config import EngineConfig
-from cluster.engine import EngineStats, LLMEngine, load_tokenizer
+from cluster.engine import EngineStats, LLMEngine, checked_config, load_tokenizer
 from cluster.engine_loop import (
     Abort,
     Add,
@@ -44,6 +44,7 @@ from cluster.engine_loop import (
     stream_interval_s,
 )
 from cluster.engine_process import EngineInfo, EngineProcess, FrameReader, runs_in_own_process
+from cluster.executor import executor_kind
 from cluster.outputs import CumulativeOutput, RequestOutput, failure_delta, join_outputs
 from cluster.sampling_params import SamplingParams
 
@@ -204,6 +205,14 @@ class _LoopReader:
         self._detach(close)
 
 
+def _start_ranks(config: EngineConfig):
+    """The Ray executor's ranks, started and loaded in this process (their actors are this
+    process's: in a Serve replica, in its placement group) for `config` as resolved."""
+    from cluster.ray_executor import RayExecutor
+
+    return RayExecutor(config)
+
+
 class AsyncEngine:
     """The engine's step loop runs apart from the callers; callers never wait for a step.
 
@@ -235,17 +244,32 @@ class AsyncEngine:
         self._retiring: EngineProcess | None = None  # being replaced by restart()
         self._reader: _LoopReader | None = None  # reads self._process on a callers' loop
         self._reader_lock = threading.Lock()
+        self._ranks = None  # TP > 1 in a process of its own: the Ray ranks it steps (ours)
         self._own_process = own_process and runs_in_own_process(config)
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: a serving process
+        ranks = None
+        if self._own_process and executor_kind(config.executor, config.tp_size) == "ray":
+            ranks = _start_ranks(checked_config(config)[1])
+            if ranks.transport != "socket":
+                logger.info(
+                    "ranks on other nodes (steps by %s): the engine runs on a thread",
+                    ranks.transport,
+                )
+                self._own_process = False
         if self._own_process:
-            self._start_process(config)
+            self._start_process(config, ranks)
             self.engine = None
             self._tokenizer = None
         else:
-            if own_process:
+            if own_process and ranks is None:
                 logger.info("the %s executor runs the engine on a thread", config.executor)
-            self.engine = LLMEngine(config)
+            try:
+                self.engine = LLMEngine(config, executor=ranks)
+            except BaseException:
+                if ranks is not None:
+                    ranks.shutdown()
+                raise
             self._tokenizer = self.engine.tokenizer
             self._core = EngineLoop(self.engine, stream_chunks_per_s)
             self._info = EngineInfo(
@@ -268,6 +292,13 @@ class AsyncEngine:
     @property
     def own_process(self) -> bool:
         return self._own_process
+
+    @property
+    def rank_actors(self) -> list:
+        """The Ray actors of the engine's ranks (none for an executor without)."""
+        if self._ranks is not None:
+            return list(self._ranks.workers)
+        return list(getattr(self.engine.executor, "workers", [])) if self.engine else []
 
     @property
     def pid(self) -> int:
@@ -309,8 +340,16 @@ class AsyncEngine:
 
     # --- the receiving side (engine in its own process) ------------------------------------------
 
-    def _start_process(self, config: EngineConfig) -> None:
-        self._process = EngineProcess(config, self.stream_chunks_per_s)
+    def _start_process(self, config: EngineConfig, ranks=None) -> None:
+        """`ranks`: a RayExecutor whose loaded ranks the engine process is to step (TP > 1);
+        they are then this object's, killed with the engine."""
+        self._ranks = ranks
+        try:
+            loaded = ranks.hand_off() if ranks is not None else None
+            self._process = EngineProcess(config, self.stream_chunks_per_s, loaded)
+        except BaseException:
+            self._stop_ranks()
+            raise
         self._frames = self._process.open_reader()
         self._info = self._process.info
         self._stats = self._info.stats
@@ -554,7 +593,11 @@ class AsyncEngine:
             if self._reader is None:  # never read: nobody else will close its frames
                 self._frames.close()
             self._retiring.stop()
-            self._start_process(self._info.config)
+            ranks = None
+            if self._ranks is not None:  # new ranks, once the old ones are gone
+                self._stop_ranks()
+                ranks = _start_ranks(self._info.config)
+            self._start_process(self._info.config, ranks)
             self._dead = None
             return
         with self._lock:
@@ -565,6 +608,15 @@ class AsyncEngine:
             self.engine = LLMEngine(self.engine.config)
             self._core = EngineLoop(self.engine, self.stream_chunks_per_s)
             self._dead = None
+
+    def _stop_process(self) -> None:
+        self._process.stop()
+        self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
+        ranks, self._ranks = self._ranks, None
+        if ranks is not None:
+            ranks.shutdown()
 
     def stats(self) -> EngineStats:
         if self._own_process:
@@ -579,7 +631,7 @@ class AsyncEngine:
         for future in waiters:  # nobody will abort these now: let their callers go
             _resolve_soon(future)
         if self._own_process:
-            await asyncio.get_running_loop().run_in_executor(None, self._process.stop)
+            await asyncio.get_running_loop().run_in_executor(None, self._stop_process)
             reader = self._reader
             if reader is not None:
                 reader.detach(close=True)

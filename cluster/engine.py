@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 from cluster.block_manager import BlockManager
 from cluster.config import (
+    Checkpoint,
     ConfigError,
     EngineConfig,
     fit_context,
     read_checkpoint,
     resolve_config,
 )
-from cluster.executor import WorkerError, make_executor
+from cluster.executor import Executor, WorkerError, make_executor
 from cluster.outputs import (
     EngineCounters,
     RequestOutput,
@@ -94,23 +95,32 @@ def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
     return ids
 
 
+def checked_config(config: EngineConfig) -> tuple[Checkpoint, EngineConfig]:
+    """`config`'s checkpoint and `config` resolved for it (what its executor is made for),
+    after the checks that come before any weights load."""
+    from workers.model_config import check_model_config
+
+    checkpoint = read_checkpoint(config.model)
+    check_model_config(checkpoint.model_config, config.tp_size, config.ep_size)
+    return checkpoint, resolve_config(config, checkpoint)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, deltas_only: bool = False):
+    def __init__(
+        self, config: EngineConfig, deltas_only: bool = False, executor: Executor | None = None
+    ):
         """`config` as the user gave it; `self.config` is it resolved (cluster/config.py): the
         draft length, and the context fitted to the KV pool the workers sized. `deltas_only`:
-        outputs are deltas, for a caller that keeps the cumulative fields (`_output`)."""
+        outputs are deltas, for a caller that keeps the cumulative fields (`_output`).
+        `executor`: ranks already loaded for `checked_config(config)` (the engine process's
+        SocketExecutor), else the config's own executor is made here."""
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        from workers.model_config import check_model_config
-
-        checkpoint = read_checkpoint(config.model)
-        # Before any weights load.
-        check_model_config(checkpoint.model_config, config.tp_size, config.ep_size)
+        checkpoint, resolved = checked_config(config)
         self.vocab_size = checkpoint.model_config.vocab_size
         # SamplingParams fields for a request that leaves them out (generation_config.json).
         self.sampling_defaults = checkpoint.sampling_defaults
-        resolved = resolve_config(config, checkpoint)
-        self.executor = make_executor(resolved)
+        self.executor = executor if executor is not None else make_executor(resolved)
         if resolved.num_draft_tokens and not self.executor.has_mtp:
             # config.json names an MTP layer that the weights lack (the loader logged it).
             if config.num_draft_tokens is not None:

@@ -22,9 +22,10 @@ cross as deltas (`cluster.outputs.make_request_delta`: tuples, without the field
 with the request); the caller rebuilds the rest (`cluster.outputs.CumulativeOutput`). If this
 process dies the other end reads EOF; if the caller dies this process exits within a second.
 
-Runs only engines whose executor lives in the engine's own process (TP=1, or an executor class
-of one's own): the Ray executor's workers are actors of the replica's placement group, which a
-process outside Ray cannot place.
+The Ray executor's ranks (TP > 1) are actors of the replica's placement group, which a process
+outside Ray cannot place: the replica starts and loads them and hands their connected step
+sockets to this process (`ranks`: cluster/step_sockets.py), which steps them. Ranks on other
+nodes (no socket to them) keep the engine on a thread of the replica.
 """
 
 from __future__ import annotations
@@ -57,10 +58,14 @@ ORPHAN_CHECK_S = 1.0
 
 
 def runs_in_own_process(config: EngineConfig) -> bool:
-    """Whether `config`'s executor can run inside an engine process (see the module doc)."""
+    """Whether `config`'s engine can run in an engine process (see the module doc): any but
+    Ray ranks stepped by a transport other than their sockets (for "auto", known once they are
+    placed: `RayExecutor.transport`)."""
     from cluster.executor import executor_kind
 
-    return executor_kind(config.executor, config.tp_size) != "ray"
+    if executor_kind(config.executor, config.tp_size) != "ray":
+        return True
+    return config.step_transport in ("auto", "socket")
 
 
 @dataclass(frozen=True)
@@ -210,23 +215,29 @@ class EngineProcess:
     prompt pickles to ~0.6 MB, more than a socket buffer) does not wait for the engine to finish
     a step and read it. Its messages are read through `open_reader()`, never waiting either."""
 
-    def __init__(self, config: EngineConfig, stream_chunks_per_s: float = 0.0):
+    def __init__(self, config: EngineConfig, stream_chunks_per_s: float = 0.0, ranks=None):
+        """`ranks`: a cluster.step_sockets.LoadedRanks whose sockets go to the engine process
+        (its executor), closed here once it has them."""
         mine, theirs = socket.socketpair()
         env = dict(os.environ)
         # The engine process imports what this one can (a Ray worker's sys.path is not only
         # PYTHONPATH: runtime environments and working directories add to it).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         started = time.perf_counter()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "cluster.engine_process", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            env=env,
-        )
-        theirs.close()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "cluster.engine_process", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(), *(ranks.fds if ranks else ())),
+                env=env,
+            )
+        finally:
+            theirs.close()
+            if ranks is not None:
+                ranks.close()  # the engine process's now: a rank reads EOF when it exits
         self._conn = Connection(os.dup(mine.fileno()))  # reads
         self._writer = _Writer(mine)
         self._writer.start()
-        self.send(("config", config, stream_chunks_per_s))
+        self.send(("config", config, stream_chunks_per_s, ranks))
         try:
             message = self._conn.recv()
         except (EOFError, OSError):
@@ -357,13 +368,19 @@ def main(argv: list[str]) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     conn = Connection(int(argv[1]))
-    _, config, stream_chunks_per_s = conn.recv()
+    _, config, stream_chunks_per_s, ranks = conn.recv()
     try:
         from cluster.engine import LLMEngine
         from cluster.engine_loop import EngineLoop
         from workers.long_lived import freeze_long_lived, thaw
 
-        engine = LLMEngine(config, deltas_only=True)  # the caller keeps the cumulative fields
+        executor = None
+        if ranks is not None:  # loaded by the caller; stepped from here over their sockets
+            from cluster.step_sockets import SocketExecutor
+
+            executor = SocketExecutor(ranks, config.step_timeout_s)
+        # deltas_only: the caller keeps the cumulative fields
+        engine = LLMEngine(config, deltas_only=True, executor=executor)
     except BaseException as e:  # noqa: BLE001 - the caller raises it
         import traceback
 

@@ -7,7 +7,7 @@ import abc
 from typing import TYPE_CHECKING
 
 from cluster.config import EngineConfig
-from workers.batch import StepInput, StepOutput
+from workers.batch import StepFailure, StepInput, StepOutput
 
 if TYPE_CHECKING:
     from workers.worker import WarmUp
@@ -76,6 +76,15 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, step_raised: bool = False):
         super().__init__(message)
         self.step_raised = step_raised
+
+
+def first_answer(answers: list):
+    """Rank 0's answer once every rank has answered; a rank's StepFailure raises (with
+    `step_raised`: every rank finished the step, so it can be re-run)."""
+    failures = [out for out in answers if isinstance(out, StepFailure)]
+    if failures:
+        raise WorkerError(f"a worker raised: {failures[0].error}", step_raised=True)
+    return answers[0]
 
 
 class InProcessExecutor(Executor):

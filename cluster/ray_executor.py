@@ -19,6 +19,9 @@ where every rank is on this node, else the graph on GPUs (cores to spare) and ca
 A rank that dies, raises, or hangs past `step_timeout_s` becomes a WorkerError; the engine then
 fails its requests and can be rebuilt (`shutdown` kills the actors and frees the placement group).
 
+`hand_off` gives the connected sockets to another process, which then steps the ranks (a Serve
+replica's engine process: cluster/step_sockets.py); this executor keeps only the actors.
+
 Inside a Serve replica that has a placement group, the ranks go into that group (bundles 1..N
 when the replica reserved one per rank after its own), so they start and die with the replica.
 """
@@ -31,8 +34,8 @@ import os
 import time
 
 from cluster.config import EngineConfig
-from cluster.executor import Executor, WorkerError, worker_spec
-from workers.batch import StepFailure, StepInput, StepOutput
+from cluster.executor import Executor, WorkerError, first_answer, worker_spec
+from workers.batch import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ STARTUP_TIMEOUT_S = 300.0  # placement, actor start, rendezvous, and loading the
 # runtime_env env_vars are merged into its parent's.
 RANK_ENV_VARS = {"RAY_worker_niceness": "0"}
 HEALTH_TIMEOUT_S = 10.0
+HANDED_OFF = "handed off"  # RayExecutor.transport once another process steps the ranks
 
 
 LOOPBACK = "127.0.0.1"
@@ -254,6 +258,8 @@ class RayExecutor(Executor):
             raise WorkerError("the executor is shut down")
         if self.transport == "socket":
             return self._execute_sockets(step)
+        if self.transport == HANDED_OFF:
+            raise WorkerError("these ranks are stepped by another process (hand_off)")
         if self.transport == "graph":
             if self._graph is None:
                 try:
@@ -293,17 +299,24 @@ class RayExecutor(Executor):
         from cluster.step_sockets import StepSockets
 
         if self._sockets is None:
-            self._sockets = StepSockets(self.workers, STARTUP_TIMEOUT_S)
-        return self._first_answer(self._sockets.execute(step, self.config.step_timeout_s))
+            self._sockets = StepSockets.connect(self.workers, STARTUP_TIMEOUT_S)
+        return first_answer(self._sockets.execute(step, self.config.step_timeout_s))
 
-    @staticmethod
-    def _first_answer(answers: list) -> StepOutput:
-        """Rank 0's output once every rank has answered; a rank's StepFailure raises (with
-        `step_raised`: every rank finished the step, so it can be re-run)."""
-        failures = [out for out in answers if isinstance(out, StepFailure)]
-        if failures:
-            raise WorkerError(f"a worker raised: {failures[0].error}", step_raised=True)
-        return answers[0]
+    def hand_off(self):
+        """The ranks' connected step sockets for another process to step them (a
+        cluster.step_sockets.LoadedRanks; the transport must be the socket). This executor then
+        steps no more; `shutdown` still kills the ranks."""
+        from cluster.step_sockets import LoadedRanks, StepSockets
+
+        if self.transport != "socket":
+            raise ValueError(f"ranks stepped by {self.transport} cannot be handed off")
+        sockets, self._sockets = self._sockets, None
+        if sockets is None:
+            sockets = StepSockets.connect(self.workers, STARTUP_TIMEOUT_S)
+        self.transport = HANDED_OFF
+        return LoadedRanks(
+            tuple(sockets.detach()), self.num_kv_blocks, self.has_mtp, self.overlaps_steps
+        )
 
     def _execute_graph(self, step: StepInput) -> StepOutput:
         """The ranks answer a failed step with a StepFailure rather than raising, so the graph's
@@ -323,7 +336,7 @@ class RayExecutor(Executor):
             raise WorkerError(f"a worker raised: {e}") from e
         except ray.exceptions.RayChannelError as e:  # a reader or writer went away
             raise WorkerError(f"the step channel failed: {e}") from e
-        return self._first_answer(outputs)
+        return first_answer(outputs)
 
     def warm_up(self, num_draft_tokens: int, share_topk: bool):
         """Every rank at once (a capture's collectives need them all); then one empty step sets

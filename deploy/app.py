@@ -103,8 +103,8 @@ class AppArgs(BaseModel):
     # most 800). See deploy/model_server.py.
     stream_chunks_per_s: float | None = Field(None, ge=0)
     # The engine's step loop in a process of its own (True), or on a thread of the replica's
-    # process. Only engines whose executor runs in the engine's process (TP=1) can; the Ray
-    # executor's (TP>1) stay on a thread (cluster/engine_process.py says why).
+    # process. TP > 1 ranks are stepped from that process over their sockets; ranks on other
+    # nodes (no socket) keep the loop on a thread (cluster/engine_process.py says why).
     engine_process: bool = True
     # One log line per request in each replica (Serve's access log).
     access_log: bool = False

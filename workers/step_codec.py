@@ -13,10 +13,24 @@ from __future__ import annotations
 
 import io
 import pickle
+from dataclasses import dataclass
 
 from workers.batch import SamplingSpec, SeqWork, StepInput
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """A call of a rank's method between two steps, on the same socket as the steps (its warm-up
+    and health check, when the process that steps the ranks is not the one that holds their Ray
+    handles: cluster/step_sockets.py). Pickled as it is; the decoder passes it through."""
+
+    name: str
+    args: tuple = ()
+
+    def encode(self) -> bytes:
+        return pickle.dumps(self, protocol=PROTOCOL)
 
 
 def _seq_without_spec(
@@ -76,8 +90,10 @@ class StepDecoder:
     def __init__(self):
         self.specs: dict[str, SamplingSpec] = {}
 
-    def decode(self, data: bytes) -> StepInput:
+    def decode(self, data: bytes) -> StepInput | RankCall:
         step = pickle.loads(data)
+        if isinstance(step, RankCall):
+            return step
         for seq in step.seqs:
             if seq.sampling is None:
                 seq.sampling = self.specs[seq.request_id]

@@ -8,7 +8,8 @@ The executor drives the ranks through this lifecycle (each a remote call):
   execute(step)         every step, SPMD on all ranks; only rank 0 returns the StepOutput
   answer(step)          the same, a failure returned as a StepFailure (the compiled step graph)
   serve_steps(address)  the socket transport's loop (cluster.step_sockets): read a step and
-                        `answer` it, until the coordinator closes the socket
+                        `answer` it, until the coordinator closes the socket; `warm_up` and
+                        `ping` may come that way too (a workers.step_codec.RankCall)
   ping()                health
 
 This module does not import Ray: the executor wraps the class with `ray.remote(...).options(...)`,
@@ -27,12 +28,13 @@ from multiprocessing.connection import Connection
 from parallel.distributed import destroy_distributed, init_distributed, open_store
 from workers.batch import StepFailure, StepInput, StepOutput
 from workers.long_lived import freeze_long_lived, thaw
-from workers.step_codec import StepDecoder
+from workers.step_codec import RankCall, StepDecoder
 from workers.worker import WarmUp, Worker, WorkerSpec, resolve_device
 
 logger = logging.getLogger(__name__)
 
 RANK_HEADER = struct.Struct("!i")  # a rank's first message on its step socket: its rank
+SOCKET_CALLS = frozenset({"warm_up", "ping"})  # what a RankCall on the step socket may name
 
 
 class WorkerActor:
@@ -94,11 +96,24 @@ class WorkerActor:
             conn.send_bytes(RANK_HEADER.pack(self.rank))
             while True:
                 try:
-                    step = decoder.decode(conn.recv_bytes())
+                    message = decoder.decode(conn.recv_bytes())
                 except EOFError:
                     return
-                reply = self.answer(step)
+                if isinstance(message, RankCall):
+                    reply = self._socket_call(message)
+                else:
+                    reply = self.answer(message)
                 conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _socket_call(self, call: RankCall):
+        """A RankCall's result, or its failure as a StepFailure (the coordinator raises it)."""
+        if call.name not in SOCKET_CALLS:
+            return StepFailure(f"no call {call.name!r} on the step socket")
+        try:
+            return getattr(self, call.name)(*call.args)
+        except Exception as e:  # the coordinator decides
+            logger.exception("%s failed on rank %d", call.name, self.rank)
+            return StepFailure(f"{type(e).__name__}: {e}")
 
     def ping(self) -> int:
         return os.getpid()

@@ -147,8 +147,13 @@ def test_a_failed_start_raises_the_engine_processes_error(tmp_path):
 def test_which_executors_run_in_an_engine_process(tiny_model_dir):
     assert runs_in_own_process(_config(tiny_model_dir))  # TP=1, in-process executor
     assert runs_in_own_process(_config(tiny_model_dir, executor="a.module:Executor"))
-    assert not runs_in_own_process(_config(tiny_model_dir, executor="ray"))
-    assert not runs_in_own_process(_config(tiny_model_dir, tp_size=2))
+    # Ray ranks: stepped over their sockets from the engine process (for "auto", where every
+    # rank is on this node: known once they are placed); the other transports need Ray there.
+    assert runs_in_own_process(_config(tiny_model_dir, executor="ray"))
+    assert runs_in_own_process(_config(tiny_model_dir, tp_size=2))
+    assert runs_in_own_process(_config(tiny_model_dir, tp_size=2, step_transport="socket"))
+    for transport in ("graph", "calls"):
+        assert not runs_in_own_process(_config(tiny_model_dir, tp_size=2, step_transport=transport))
 
 
 def test_the_engine_process_ends_when_its_caller_is_killed(tiny_model_dir):

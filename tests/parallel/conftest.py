@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -55,3 +56,21 @@ def tp1_tokens(tiny_model_dir, prompts) -> list[list[int]]:
 
     llm = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32")
     return [o.token_ids for o in llm.generate(prompts, greedy_params())]
+
+
+def all_dead(ray, actors, within_s: float = 30.0) -> bool:
+    """Whether every actor in `actors` stops answering within `within_s` (ray.kill returns
+    before the actor is gone)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = 0
+        for actor in actors:
+            try:
+                ray.get(actor.ping.remote(), timeout=5)
+                alive += 1
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False

@@ -53,3 +53,5 @@ def test_tp2_ep2_one_rank_per_node(tiny_model_dir, prompts, tp1_tokens):
     assert len(set(result["rank_nodes"])) == 2  # the group really spans the two nodes
     assert result["transport"] == "calls"  # auto: a rank off the coordinator's node, on CPU
     assert result["tokens"] == tp1_tokens
+    assert result["served_in_own_process"] is False  # no socket to a rank on another node
+    assert result["served_tokens"] == tp1_tokens

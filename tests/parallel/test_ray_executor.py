@@ -4,11 +4,10 @@ placement group (bundles 1..N after the replica's bundle 0) and die with the rep
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 
-from tests.parallel.conftest import STEP_TIMEOUT_S
+from tests.parallel.conftest import STEP_TIMEOUT_S, all_dead
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,22 +51,6 @@ def _placement_group_id(actor) -> str | None:
     return pg.id.hex() if pg else None
 
 
-def _all_dead(ray, actors, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        alive = 0
-        for a in actors:
-            try:
-                ray.get(a.ping.remote(), timeout=5)
-                alive += 1
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass
-        if not alive:
-            return True
-        time.sleep(0.5)
-    return False
-
-
 def test_ranks_live_in_the_replicas_placement_group(ray_local, tiny_model_dir, prompts, tp1_tokens):
     ray = ray_local
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -98,7 +81,7 @@ def test_ranks_live_in_the_replicas_placement_group(ray_local, tiny_model_dir, p
         assert ray.get(replica.generate.remote(prompts[:3]), timeout=120) == tp1_tokens[:3]
 
         ray.kill(replica)  # the replica goes: its workers (it owns them) go with it
-        assert _all_dead(ray, workers, within_s=60)
+        assert all_dead(ray, workers, within_s=60)
     finally:
         ray.kill(replica)
         remove_placement_group(pg)

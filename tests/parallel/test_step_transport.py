@@ -11,7 +11,7 @@ import time
 import pytest
 
 from benchmarks.bench_step_transport import echo_ranks
-from tests.parallel.conftest import greedy_params
+from tests.parallel.conftest import all_dead, greedy_params
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -170,7 +170,7 @@ def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(r
 
     ray = ray_local
     ranks = echo_ranks(ray, 3)
-    sockets = StepSockets(ranks, timeout_s=60)
+    sockets = StepSockets.connect(ranks, timeout_s=60)
     try:
         specs = {"a": SamplingSpec(num_prompt_tokens=7), "b": SamplingSpec(num_prompt_tokens=9)}
         for n, ids in ((1, "a"), (5, "ab"), (2, "b"), (3, "ab")):  # specs sent once each
@@ -191,17 +191,6 @@ def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(r
             ray.kill(r)
 
 
-def _wait_until_dead(ray, actor, within_s: float = 30) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.ping.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the killed actor still answers after {within_s}s")
-
-
 def test_step_sockets_a_rank_dead_before_connecting_is_an_error(ray_local):
     from cluster.executor import WorkerError
     from cluster.step_sockets import StepSockets
@@ -209,11 +198,11 @@ def test_step_sockets_a_rank_dead_before_connecting_is_an_error(ray_local):
     ray = ray_local
     ranks = echo_ranks(ray, 2)
     ray.kill(ranks[1])
-    _wait_until_dead(ray, ranks[1])  # ray.kill returns before the actor is gone
+    assert all_dead(ray, [ranks[1]])  # before the sockets open: ray.kill returns first
     started = time.monotonic()
     try:
         with pytest.raises(WorkerError, match="failed to start"):
-            StepSockets(ranks, timeout_s=60)
+            StepSockets.connect(ranks, timeout_s=60)
         assert time.monotonic() - started < 20
     finally:
         for r in ranks:
@@ -232,7 +221,7 @@ def test_step_sockets_under_a_long_tmpdir(ray_local, tmp_path, monkeypatch):
     long_tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
     ranks = echo_ranks(ray, 2)
-    sockets = StepSockets(ranks, timeout_s=60)
+    sockets = StepSockets.connect(ranks, timeout_s=60)
     try:
         step = StepInput([SeqWork("a", [1, 2, 3], 0, [], 0, True)])
         assert sockets.execute(step, timeout_s=30) == [

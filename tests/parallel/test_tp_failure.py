@@ -4,12 +4,13 @@ a rebuilt engine serves the next request with the right tokens."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 
 import pytest
 
-from tests.parallel.conftest import greedy_params
+from tests.parallel.conftest import all_dead, greedy_params
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,22 +35,28 @@ def _hang_forever(actor) -> None:
     actor.worker.execute = lambda step: time.sleep(3600)
 
 
+@pytest.mark.parametrize("own_process", [False, True], ids=["thread", "process"])
 def test_killed_rank_fails_requests_then_restart_serves(
-    ray_local, tiny_model_dir, prompts, tp1_tokens
+    ray_local, tiny_model_dir, prompts, tp1_tokens, own_process
 ):
+    """On a thread of this process, or (as a Serve replica runs it) in an engine process that
+    steps the ranks this process started over their sockets."""
     from cluster.async_engine import AsyncEngine, EngineDeadError
-    from cluster.executor import WorkerError
     from cluster.sampling_params import SamplingParams
 
     ray = ray_local
-    engine = AsyncEngine(_config(tiny_model_dir))
+    engine = AsyncEngine(_config(tiny_model_dir), own_process=own_process)
+    assert engine.own_process == own_process
+    assert (engine.pid != os.getpid()) == own_process
+    ranks = engine.rank_actors
+    assert len(ranks) == 2
 
     async def kill_mid_generation() -> float:
         params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
         stream = engine.generate(prompts[1], params)
         first = await stream.__anext__()
         assert not first.finished
-        ray.kill(engine.engine.executor.workers[1])
+        ray.kill(ranks[1])
         killed_at = time.monotonic()
         with pytest.raises(EngineDeadError):
             async for out in stream:
@@ -62,19 +69,24 @@ def test_killed_rank_fails_requests_then_restart_serves(
         return out.token_ids
 
     try:
+        assert asyncio.run(generate(prompts[2])) == tp1_tokens[2]
         seconds_to_error = asyncio.run(kill_mid_generation())
         assert seconds_to_error < STEP_TIMEOUT_S
         assert engine.is_dead
-        with pytest.raises(WorkerError):
-            engine.engine.check_health()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(engine.check_health())
         with pytest.raises(EngineDeadError):  # no new work until rebuilt
             asyncio.run(generate(prompts[0]))
 
         engine.restart()
+        assert not set(engine.rank_actors) & set(ranks)  # new ranks
+        assert all_dead(ray, ranks)  # the old ones are gone, rank 0 too
         assert asyncio.run(generate(prompts[0])) == tp1_tokens[0]
         assert asyncio.run(generate(prompts[1])) == tp1_tokens[1]
+        ranks = engine.rank_actors
     finally:
         asyncio.run(engine.shutdown())
+    assert all_dead(ray, ranks)
 
 
 def test_hung_rank_is_an_error_within_the_timeout(ray_local, tiny_model_dir, prompts):
