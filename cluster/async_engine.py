@@ -245,6 +245,7 @@ class AsyncEngine:
         self._reader: _LoopReader | None = None  # reads self._process on a callers' loop
         self._reader_lock = threading.Lock()
         self._ranks = None  # TP > 1 in a process of its own: the Ray ranks it steps (ours)
+        self._process_steps_ranks = False  # ... and so every engine process it starts
         self._own_process = own_process and runs_in_own_process(config)
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: a serving process
@@ -258,6 +259,7 @@ class AsyncEngine:
                 )
                 self._own_process = False
         if self._own_process:
+            self._process_steps_ranks = ranks is not None
             self._start_process(config, ranks)
             self.engine = None
             self._tokenizer = None
@@ -594,7 +596,7 @@ class AsyncEngine:
                 self._frames.close()
             self._retiring.stop()
             ranks = None
-            if self._ranks is not None:  # new ranks, once the old ones are gone
+            if self._process_steps_ranks:  # new ranks, once the old ones are gone
                 self._stop_ranks()
                 ranks = _start_ranks(self._info.config)
             self._start_process(self._info.config, ranks)

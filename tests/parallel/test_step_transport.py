@@ -191,6 +191,55 @@ def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(r
             ray.kill(r)
 
 
+def test_socket_executor_steps_calls_and_checks_ranks_it_was_handed(ray_local):
+    """What an engine process does with the ranks a replica hands it: the sockets, detached from
+    the StepSockets that connected them, step the ranks, carry RankCalls (a rank's result, or
+    its failure as a WorkerError that leaves the ranks serving), and a killed rank fails the
+    health check within a moment."""
+    from cluster.executor import WorkerError
+    from cluster.step_sockets import LoadedRanks, SocketExecutor, StepSockets
+    from workers.batch import SamplingSpec, SeqResult, SeqWork, StepFailure, StepInput, StepOutput
+
+    ray = ray_local
+    ranks = echo_ranks(ray, 2)
+    pids = ray.get([r.ping.remote() for r in ranks], timeout=30)
+    sockets = StepSockets.connect(ranks, timeout_s=60)
+    try:
+        assert sockets.call("ping", timeout_s=30) == pids
+        refused = sockets.call("shutdown", timeout_s=30)  # not a call the socket carries
+        assert all(isinstance(r, StepFailure) and "shutdown" in r.error for r in refused)
+        loaded = LoadedRanks(tuple(sockets.detach()), 12, True, False)
+    finally:
+        sockets.close()
+    executor = SocketExecutor(loaded, step_timeout_s=STEP_TIMEOUT_S)
+    try:
+        assert (executor.num_kv_blocks, executor.has_mtp, executor.overlaps_steps) == (
+            12,
+            True,
+            False,
+        )
+        spec = SamplingSpec(num_prompt_tokens=5)
+        step = StepInput([SeqWork("a", [1, 2, 3], 0, [], 0, True, spec)])
+        assert executor.execute(step) == StepOutput([SeqResult("a", [3], 0, [5])])
+        with pytest.raises(WorkerError, match="raised") as failed:
+            executor.warm_up(2, False)  # an echo rank's worker has no warm-up
+        assert failed.value.step_raised
+        step = StepInput([SeqWork("a", [4, 5], 3, [], 0, True, spec)])  # its spec sent once
+        assert executor.execute(step) == StepOutput([SeqResult("a", [2], 0, [5])])
+        executor.check_health()
+        ray.kill(ranks[1])
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="died"):
+            for _ in range(100):  # the kill lands within a check or two
+                executor.check_health()
+                time.sleep(0.05)
+        assert time.monotonic() - started < 10
+    finally:
+        executor.shutdown()
+        for r in ranks:
+            ray.kill(r)
+
+
 def test_step_sockets_a_rank_dead_before_connecting_is_an_error(ray_local):
     from cluster.executor import WorkerError
     from cluster.step_sockets import StepSockets
