@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import struct
 from multiprocessing.connection import Connection
@@ -28,7 +27,7 @@ from multiprocessing.connection import Connection
 from parallel.distributed import destroy_distributed, init_distributed, open_store
 from workers.batch import StepFailure, StepInput, StepOutput
 from workers.long_lived import freeze_long_lived, thaw
-from workers.step_codec import RankCall, StepDecoder
+from workers.step_codec import RankCall, StepDecoder, encode_answer
 from workers.worker import WarmUp, Worker, WorkerSpec, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ class WorkerActor:
                     reply = self._socket_call(message)
                 else:
                     reply = self.answer(message)
-                conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+                conn.send_bytes(encode_answer(reply))
 
     def _socket_call(self, call: RankCall):
         """A RankCall's result, or its failure as a StepFailure (the coordinator raises it)."""

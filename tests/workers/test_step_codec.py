@@ -56,3 +56,23 @@ def test_a_finished_request_is_forgotten_on_both_sides():
     assert encoder.sent == decoder.specs == {"x": spec}
     decoder.decode(encoder.encode(StepInput([], finished_request_ids=["x"])))
     assert encoder.sent == decoder.specs == {}
+
+
+def test_answers_read_back_equal_what_the_rank_answered():
+    """A rank's answer by position (`encode_answer`) reads back with plain pickle.loads as the
+    same StepOutput (every field, logprobs included), None, or StepFailure."""
+    from workers.batch import SeqResult, StepFailure, StepOutput
+    from workers.step_codec import encode_answer
+
+    logprobs = [{"token_id": 7, "logprob": -0.25, "top": [(7, -0.25), (9, -1.5)]}]
+    output = StepOutput(
+        [
+            SeqResult("a", [7], 0, [3, 4, 5], logprobs),
+            SeqResult("b", [1, 2, 3], 2, []),
+            SeqResult("c", []),
+        ]
+    )
+    for answer in (output, StepOutput([]), None, StepFailure("RuntimeError: x")):
+        assert pickle.loads(encode_answer(answer)) == answer
+    # Smaller than the dataclasses pickled by field name.
+    assert len(encode_answer(output)) < len(pickle.dumps(output, pickle.HIGHEST_PROTOCOL))
