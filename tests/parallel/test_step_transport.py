@@ -160,11 +160,24 @@ def test_transport_isolates_a_failing_request(
         engine.shutdown()
 
 
+def _killed_rank_fails(ray, rank, call) -> None:
+    """Kill `rank`: `call` (a step or a health check), repeated since the kill lands within one
+    or two, is a WorkerError saying a rank died within 10 s, not after the step timeout."""
+    from cluster.executor import WorkerError
+
+    ray.kill(rank)
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match="died"):
+        for _ in range(100):
+            call()
+            time.sleep(0.05)
+    assert time.monotonic() - started < 10
+
+
 def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(ray_local):
     """The socket transport alone (real actors, no model): every rank's answer comes back in rank
     order, step after step; a rank killed between steps is a WorkerError as soon as the next
     step is sent, not after the step timeout; closing lets the live ranks' loops return."""
-    from cluster.executor import WorkerError
     from cluster.step_sockets import StepSockets
     from workers.batch import SamplingSpec, SeqResult, SeqWork, StepInput, StepOutput
 
@@ -178,13 +191,7 @@ def test_step_sockets_answer_in_rank_order_and_a_dead_rank_is_an_error_at_once(r
             expected = StepOutput([SeqResult(i, [n], 0, [specs[i].num_prompt_tokens]) for i in ids])
             assert sockets.execute(step, timeout_s=30) == [expected, None, None]
         assert ray.get([r.ping.remote() for r in ranks], timeout=30)  # beside the loops
-        ray.kill(ranks[2])
-        started = time.monotonic()
-        with pytest.raises(WorkerError, match="died"):
-            for _ in range(100):  # the kill lands within a step or two
-                sockets.execute(StepInput([]), timeout_s=STEP_TIMEOUT_S)
-                time.sleep(0.05)
-        assert time.monotonic() - started < 10
+        _killed_rank_fails(ray, ranks[2], lambda: sockets.execute(StepInput([]), STEP_TIMEOUT_S))
     finally:
         sockets.close()
         for r in ranks:
@@ -227,13 +234,7 @@ def test_socket_executor_steps_calls_and_checks_ranks_it_was_handed(ray_local):
         step = StepInput([SeqWork("a", [4, 5], 3, [], 0, True, spec)])  # its spec sent once
         assert executor.execute(step) == StepOutput([SeqResult("a", [2], 0, [5])])
         executor.check_health()
-        ray.kill(ranks[1])
-        started = time.monotonic()
-        with pytest.raises(WorkerError, match="died"):
-            for _ in range(100):  # the kill lands within a check or two
-                executor.check_health()
-                time.sleep(0.05)
-        assert time.monotonic() - started < 10
+        _killed_rank_fails(ray, ranks[1], executor.check_health)
     finally:
         executor.shutdown()
         for r in ranks:
