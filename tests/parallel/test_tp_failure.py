@@ -35,12 +35,19 @@ def _hang_forever(actor) -> None:
     actor.worker.execute = lambda step: time.sleep(3600)
 
 
-@pytest.mark.parametrize("own_process", [False, True], ids=["thread", "process"])
+@pytest.mark.parametrize(
+    "own_process, killed",
+    [(False, "rank"), (True, "rank"), (True, "engine process")],
+    ids=["thread-rank", "process-rank", "process-engine"],
+)
 def test_killed_rank_fails_requests_then_restart_serves(
-    ray_local, tiny_model_dir, prompts, tp1_tokens, own_process
+    ray_local, tiny_model_dir, prompts, tp1_tokens, own_process, killed
 ):
     """On a thread of this process, or (as a Serve replica runs it) in an engine process that
-    steps the ranks this process started over their sockets."""
+    steps the ranks this process started over their sockets; there, the engine process may be
+    what dies (its ranks then outlive it until the rebuild replaces them)."""
+    import signal
+
     from cluster.async_engine import AsyncEngine, EngineDeadError
     from cluster.sampling_params import SamplingParams
 
@@ -56,7 +63,10 @@ def test_killed_rank_fails_requests_then_restart_serves(
         stream = engine.generate(prompts[1], params)
         first = await stream.__anext__()
         assert not first.finished
-        ray.kill(ranks[1])
+        if killed == "rank":
+            ray.kill(ranks[1])
+        else:
+            os.kill(engine.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         with pytest.raises(EngineDeadError):
             async for out in stream:
