@@ -299,7 +299,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(1)
 
 
-class _Readable:
+class Readable:
     """Whether `conn` has a message to read: one poll(2) on its socket, registered once.
     `Connection.poll` builds, registers and drops a selector on every call, which costs the
     step loop a few microseconds a turn, twice (poll.poll is where the platform has it)."""
@@ -322,7 +322,7 @@ def _serve(conn: Connection, loop) -> None:
     from cluster.engine_loop import Refusal, portable
     from cluster.outputs import Delta
 
-    readable = _Readable(conn)
+    readable = Readable(conn)
     last_stats_s = 0.0
     while True:
         commands, probes = [], []

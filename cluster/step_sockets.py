@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from cluster.engine_process import Readable
 from cluster.executor import Executor, WorkerError, first_answer
 from cluster.ray_executor import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S
 from workers.batch import StepInput, StepOutput
@@ -54,6 +55,8 @@ class StepSockets:
 
     def __init__(self, conns: list[Connection]):
         self._conns = conns
+        # One poll(2) per connection, registered once (Connection.poll builds a selector a call).
+        self._readable = [Readable(conn) for conn in conns]
         self._encoder = StepEncoder()  # each request's SamplingSpec once (workers.step_codec)
 
     @classmethod
@@ -149,9 +152,9 @@ class StepSockets:
             raise WorkerError(f"a worker actor died: sending the step failed ({e})") from e
         deadline = time.monotonic() + timeout_s
         answers = []
-        for rank, conn in enumerate(self._conns):
+        for rank, (conn, readable) in enumerate(zip(self._conns, self._readable)):
             try:
-                if not conn.poll(max(deadline - time.monotonic(), 0.0)):
+                if not readable(max(deadline - time.monotonic(), 0.0)):
                     raise WorkerError(f"rank {rank} did not answer within {timeout_s:.0f}s")
                 answers.append(pickle.loads(conn.recv_bytes()))
             except (EOFError, OSError) as e:
@@ -166,6 +169,7 @@ class StepSockets:
             except OSError:
                 pass
         self._conns = []
+        self._readable = []
 
 
 @dataclass(frozen=True)

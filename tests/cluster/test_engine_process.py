@@ -199,11 +199,11 @@ def test_readable_says_when_a_message_or_the_peers_end_waits():
     import socket
     from multiprocessing.connection import Connection
 
-    from cluster.engine_process import _Readable
+    from cluster.engine_process import Readable
 
     mine, theirs = socket.socketpair()
     conn, peer = Connection(mine.detach()), Connection(theirs.detach())
-    readable = _Readable(conn)
+    readable = Readable(conn)
     assert not readable(0.0)
     assert not readable(0.01)  # waits, then says no
     peer.send(("command", 1))
