@@ -21,7 +21,6 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -33,6 +32,7 @@ if TYPE_CHECKING:  # Ray and Serve are imported where they are used: `mtpserve -
 logger = logging.getLogger(__name__)
 
 APP_NAME = "mtpserve"
+STOP_POLL_S = 0.1  # how soon a served app sees Ctrl-C (a flag the signal handler sets)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -268,12 +268,15 @@ def _describe(args: AppArgs) -> str:
 def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = "local") -> int:
     """Start Ray, deploy, print the URL, block until SIGINT/SIGTERM, shut everything down.
     Returns the exit status: 0 after serving, 130 when interrupted during start-up."""
-    stop = threading.Event()
-    started = threading.Event()
+    # Plain flags, no locks: a handler runs on the main thread between two bytecodes, also
+    # inside another handler (a second Ctrl-C, or a signal sent to the process and forwarded
+    # by a parent such as `timeout`), where a threading.Event's lock, held by the first, hung
+    # the server for ever.
+    state = {"started": False, "stop": False}
 
     def on_signal(signum: int, _frame) -> None:
-        if started.is_set():
-            stop.set()  # the main thread wakes from stop.wait() and shuts down
+        if state["started"]:
+            state["stop"] = True  # the main thread's wait below sees it and shuts down
         else:
             raise Interrupted(signal.Signals(signum).name)  # out of a blocking start-up call
 
@@ -298,9 +301,10 @@ def serve_until_interrupted(args: AppArgs, host: str, port: int, address: str = 
         # On a GPU the first start also compiles the Triton kernels (cached for later starts).
         with _stage(f"loading {_describe(args)} and warming it up", "model loaded and warmed up"):
             url = deploy(args, host, port, direct=direct)
-        started.set()
+        state["started"] = True
         _say(f"serving an OpenAI-compatible API at {url}/v1 (Ctrl-C to stop)")
-        stop.wait()
+        while not state["stop"]:
+            time.sleep(STOP_POLL_S)
         return 0
     except Interrupted as why:
         print(f"\nmtpserve: {why} during start-up", file=sys.stderr, flush=True)
