@@ -105,15 +105,11 @@ class StepDecoder:
         return step
 
 
-def _seq_result(request_id, sampled, num_accepted, next_drafts, logprobs) -> SeqResult:
-    return SeqResult(request_id, sampled, num_accepted, next_drafts, logprobs)
-
-
 class _AnswerPickler(pickle.Pickler):
     def reducer_override(self, obj):
         if type(obj) is not SeqResult:
             return NotImplemented
-        return _seq_result, (
+        return SeqResult, (  # its fields in their order: SeqResult(*args) rebuilds it
             obj.request_id,
             obj.sampled_token_ids,
             obj.num_accepted_drafts,
