@@ -1,7 +1,7 @@
 """Tokens/s and latency of the offline engine and of the real Serve HTTP path, in one run.
 
     python benchmarks/bench_serve.py [--model DIR | --default-model] [--tp 1] [--num-draft-tokens 0]
-        [--overlap-steps auto|on|off] [--admission-window-ms MS]
+        [--overlap-steps auto|on|off]
         [--concurrency 1,8,32,128] [--max-tokens 128] [--prompt-len 32] [--rounds 2]
         [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--no-colocate]
         [--repeat 1] [--[no-]interleave] [--executor MODULE:CLASS] [--pin-engines] [--json PATH]
@@ -757,12 +757,6 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "on", "off"],
         help="EngineConfig.overlap_steps for both engines (default: the engine's)",
     )
-    ap.add_argument(
-        "--admission-window-ms",
-        type=float,
-        default=None,
-        help="EngineConfig.admission_window_ms for both engines (default: the engine's)",
-    )
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--concurrency", default="1,8,32,128", help="comma-separated levels")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -861,11 +855,6 @@ def main(argv: list[str] | None = None) -> int:
         "actor_num_cpus": args.actor_num_cpus,
         **({"executor": args.executor} if args.executor else {}),
         **({"overlap_steps": args.overlap_steps} if args.overlap_steps else {}),
-        **(
-            {"admission_window_ms": args.admission_window_ms}
-            if args.admission_window_ms is not None
-            else {}
-        ),
     }
     print(
         f"bench_serve: model={model} tp={args.tp} k={args.num_draft_tokens} "

@@ -48,7 +48,6 @@ class ConfigError(ValueError):
 
 
 OVERLAP_STEPS = ("auto", "on", "off")
-MAX_ADMISSION_WINDOW_MS = 1000.0  # a time to first token of its own; more is a typo
 
 
 def lookahead_slots(num_draft_tokens: int, overlap_steps: str = "off") -> int:
@@ -99,12 +98,6 @@ class EngineConfig:
     # "auto": on CUDA ranks; "on": on CPU too (no gain there: CPU work is not asynchronous);
     # "off": never.
     overlap_steps: str = "auto"
-    # Where steps overlap, a request that arrives while others decode costs their batch one
-    # forward of its own (their next decode was launched before it came). While others decode
-    # it waits up to this long for more arrivals to share that forward (workers/step_ahead.py;
-    # BENCHMARKS.md, session 34). 0: admitted at the next step. No effect where steps do not
-    # overlap (MTP on, CPU), nor when no request decodes (an idle engine admits at once).
-    admission_window_ms: float = 0.0
     cpu_threads: int | None = None  # torch intra-op threads per worker; None: half the cores
     # Only TP rank 0 runs the indexers and broadcasts top-k over the TP group (None: on when
     # tp_size > 1). Off: every rank runs the indexer on its own copy of the inputs.
@@ -129,11 +122,6 @@ class EngineConfig:
         if self.overlap_steps not in OVERLAP_STEPS:
             raise ConfigError(
                 f"overlap_steps {self.overlap_steps!r} is not one of {list(OVERLAP_STEPS)}"
-            )
-        if not 0 <= self.admission_window_ms <= MAX_ADMISSION_WINDOW_MS:
-            raise ConfigError(
-                f"admission_window_ms must be in 0..{MAX_ADMISSION_WINDOW_MS}, got "
-                f"{self.admission_window_ms}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(

@@ -162,7 +162,6 @@ class LLMEngine:
                 num_blocks=num_blocks,
                 max_model_len=max_model_len,
                 overlap_steps=resolved.overlap_steps,
-                admission_window_s=config.admission_window_ms / 1e3,
             ),
             block_manager,
             tokenizer=self.tokenizer,

@@ -33,7 +33,6 @@ Requests that can never run (prompt longer than `max_model_len`, or empty) are r
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -64,8 +63,6 @@ class SchedulerConfig:
     # As the engine's (EngineConfig.overlap_steps): whether requests own the lookahead slot of
     # a decode launched ahead. Off here: a scheduler alone has no ranks.
     overlap_steps: str = "off"
-    # EngineConfig.admission_window_ms, in seconds (`Scheduler._holds_admission`)
-    admission_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -160,7 +157,6 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # unfinished only
         self._order: dict[str, int] = {}  # add order; breaks arrival_time ties
         self._next_order = itertools.count()
-        self.clock = time.monotonic  # Request.arrival_time's clock
         # Every verify round of every request, counted here at the step (so an aborted
         # request's rounds count too); a request's own rounds are in `request.spec_stats`.
         self.spec_stats = SpecDecodeStats()
@@ -389,12 +385,7 @@ class Scheduler:
             budget_tokens -= num_chunk
 
         # 3. Waiting and preempted requests, in queue order (FCFS: stop at the first misfit).
-        held = self._holds_admission(output)
-        while (
-            self.waiting
-            and not (blocked_on_kv or held)
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while self.waiting and not blocked_on_kv and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.request_id in output.preempted_ids:
                 break  # preempted this very step: its blocks went to someone else
@@ -420,28 +411,6 @@ class Scheduler:
 
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget_tokens
         return output
-
-    def _holds_admission(self, output: SchedulerOutput) -> bool:
-        """Whether the waiting requests wait for more arrivals to prefill with (the admission
-        window, `EngineConfig.admission_window_ms`): where steps overlap, this step's decodes
-        (plain greedy: workers/step_ahead.py) were launched before the waiting requests came,
-        so admitting them costs a forward of their own, one per step that admits. They wait
-        while the oldest of them has waited less than the window; not once they would fill
-        every free seat, when no decode was launched ahead (an idle engine admits at once), or
-        behind a preempted request."""
-        window = self.config.admission_window_s
-        if window <= 0 or self.config.overlap_steps == "off" or not self.waiting:
-            return False
-        if not any(
-            not s.is_prefill and s.request.sampling_spec.plain_greedy for s in output.scheduled
-        ):
-            return False  # no decode this step was launched ahead
-        head = self.waiting[0]
-        if head.num_preemptions or len(self.waiting) >= self.config.max_num_seqs - len(
-            self.running
-        ):
-            return False
-        return self.clock() - head.arrival_time < window
 
     # ---- update ----------------------------------------------------------------------------
 

@@ -110,14 +110,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "read, so the GPU runs while the engine does its bookkeeping (default auto: on GPU ranks)",
     )
     parser.add_argument(
-        "--admission-window-ms",
-        type=float,
-        default=None,
-        help="where steps overlap, how long a new request may wait, while others decode, for "
-        "more arrivals to prefill with: one forward for several, at that much time to first "
-        f"token (default {EngineConfig.default('admission_window_ms'):g}; 0: at the next step)",
-    )
-    parser.add_argument(
         "--indexer-numerics",
         default=None,
         choices=["exact", "fp8"],
@@ -169,7 +161,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "indexer_numerics": args.indexer_numerics,
         "kv_cache_dtype": args.kv_cache_dtype,
         "overlap_steps": args.overlap_steps,
-        "admission_window_ms": args.admission_window_ms,
     }
     options = {name: value for name, value in options.items() if value is not None}
     EngineConfig(model="", **options)  # its checks, without reading the checkpoint

@@ -53,12 +53,6 @@ class SamplingSpec:
         """Greedy with no logits processors: its token is the argmax of the model's logits."""
         return self.greedy and not self.has_logits_processors
 
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing read but the argmax: no logits processors, no logprobs (a
-        decode that a rank may launch ahead, workers/step_ahead.py)."""
-        return self.decided_by_argmax and self.num_logprobs is None
-
 
 @dataclass
 class SeqWork:

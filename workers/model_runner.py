@@ -36,7 +36,7 @@ from workers.sampler import (
     verify_and_sample,
     verify_and_sample_batch,
 )
-from workers.step_ahead import StepAhead, choose_rows, gather_tokens
+from workers.step_ahead import StepAhead, choose_rows, gather_tokens, plain_greedy
 from workers.step_tensors import StepLayout, StepTensors, pack_step
 
 # Rows of the largest sampler graph (workers.cuda_graph.SamplerGraphs): 64 requests verifying
@@ -146,7 +146,7 @@ class ModelRunner:
         # logprobs) launches ahead only once they are read: a replay of the same graph would
         # rewrite them.
         ahead_after = batch is not None and any(
-            s.samples and not s.sampling.plain_greedy for s in batch.seqs
+            s.samples and not plain_greedy(s.sampling) for s in batch.seqs
         )
         overlap = self.overlap and step.num_draft_tokens == 0
         if overlap and not ahead_after:

@@ -28,6 +28,11 @@ def overlap_on(overlap_steps: str, device_type: str) -> bool:
     return overlap_steps == "on" or (overlap_steps == "auto" and device_type == "cuda")
 
 
+def plain_greedy(spec: SamplingSpec) -> bool:
+    """Greedy with nothing read but the argmax: no logits processors, no logprobs."""
+    return spec.decided_by_argmax and spec.num_logprobs is None
+
+
 @dataclass
 class AheadRow:
     """One request's decode in the step launched ahead: its row there, the position it computed
@@ -72,7 +77,7 @@ def choose_rows(
     chosen = AheadRows({}, [], [], [])
     for i, s in enumerate(step.seqs):
         spec = s.sampling
-        if not s.samples or s.num_draft_tokens or not spec.plain_greedy:
+        if not s.samples or s.num_draft_tokens or not plain_greedy(spec):
             continue
         position = s.start_position + len(s.token_ids)
         table = tables[i]

@@ -97,19 +97,6 @@ def test_outputs_identical_with_overlap(tiny_model_dir, reference):
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
-def test_outputs_identical_with_an_admission_window(tiny_model_dir, reference):
-    """Arrivals held for others (`EngineConfig.admission_window_ms`, here the longest) join a
-    later step, several in one: every output is still the output without overlap."""
-    plain = _engine(tiny_model_dir, "on")
-    _run(plain, _script())
-    engine = _engine(tiny_model_dir, "on", admission_window_ms=1000.0)
-    assert _same(_run(engine, _script()), reference)
-    # The script's arrivals at steps 3, 5, 8 and 12 came while a decoded: some waited to
-    # prefill together, so fewer steps carried a prompt.
-    assert engine.counters.num_prefill_steps < plain.counters.num_prefill_steps
-    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
-
-
 def _sampled_script() -> dict[int, list]:
     """Seeded sampling requests only (temperature, top-k, top-p, logprobs, penalties),
     arriving at different steps."""

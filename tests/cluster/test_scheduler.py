@@ -8,7 +8,7 @@ from cluster.outputs import SpecDecodeStats, make_request_output
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import InvalidRequestError, SamplingParams
 from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from workers.batch import SamplingSpec, SeqResult
+from workers.batch import SeqResult
 
 EOS = 99
 
@@ -403,69 +403,3 @@ def test_streaming_outputs_hold_back_possible_stop_prefix() -> None:
         ("", True),  # "xyz" matched: the held-back "xy" is dropped with it
     ]
     assert r.output_text == "abxc" and r.finish_reason == "stop" and r.stop_reason == "xyz"
-
-
-def _windowed(now: list[float], **overrides) -> Scheduler:
-    """Steps overlap and new arrivals may wait 5 ms; the clock reads now[0]."""
-    sched = make_scheduler(**{"overlap_steps": "on", "admission_window_s": 0.005, **overrides})
-    sched.clock = lambda: now[0]
-    return sched
-
-
-def _scheduled(output: SchedulerOutput) -> list[tuple[str, bool]]:
-    return [(s.request_id, s.is_prefill) for s in output.scheduled]
-
-
-def test_admission_window_joins_arrivals_while_others_decode() -> None:
-    now = [10.0]
-    sched = _windowed(now)
-    sched.add(make_request("a", 3, arrival=10.0))
-    assert _scheduled(step(sched)[0]) == [("a", True)]  # nothing decodes: admitted at once
-    sched.add(make_request("b", 2, arrival=10.001))
-    now[0] = 10.002
-    assert _scheduled(step(sched)[0]) == [("a", False)]  # b waits: a's decode went ahead
-    sched.add(make_request("c", 2, arrival=10.004))
-    now[0] = 10.0059
-    assert _scheduled(step(sched)[0]) == [("a", False)]  # b has waited 4.9 ms of 5
-    now[0] = 10.006
-    # b's window is over: b and c prefill in one step, beside a's decode.
-    assert _scheduled(step(sched)[0]) == [("a", False), ("b", True), ("c", True)]
-
-
-@pytest.mark.parametrize(
-    "case", ["window off", "steps do not overlap", "seats full", "no decode ahead", "sampled"]
-)
-def test_admission_window_admits_at_once(case: str) -> None:
-    now = [10.0]
-    overrides = {}
-    if case == "window off":
-        overrides["admission_window_s"] = 0.0
-    if case == "steps do not overlap":
-        overrides["overlap_steps"] = "off"
-    if case == "seats full":
-        overrides["max_num_seqs"] = 3
-    sched = _windowed(now, **overrides)
-    if case != "no decode ahead":
-        a = make_request("a", 3, arrival=10.0)
-        if case == "sampled":  # as the engine sets it: a's decodes are not launched ahead
-            a.sampling_spec = SamplingSpec(temperature=0.8, seed=1)
-        sched.add(a)
-        step(sched)
-    sched.add(make_request("b", 2, arrival=10.001))
-    if case == "seats full":  # b and c take the two seats a leaves: no one else could join
-        sched.add(make_request("c", 2, arrival=10.001))
-    now[0] = 10.002
-    admitted = [rid for rid, prefill in _scheduled(sched.schedule()) if prefill]
-    assert admitted == (["b", "c"] if case == "seats full" else ["b"])
-
-
-def test_admission_window_never_holds_a_preempted_request() -> None:
-    now = [10.0]
-    sched = _windowed(now)
-    sched.add(make_request("a", 3, arrival=10.0))
-    step(sched)
-    b = make_request("b", 2, arrival=10.001)
-    b.num_preemptions = 1  # as `_preempt` leaves it, back at the queue's front
-    sched.add(b)
-    now[0] = 10.002
-    assert _scheduled(sched.schedule()) == [("a", False), ("b", True)]
