@@ -4,6 +4,7 @@ step and a request id used again."""
 
 from __future__ import annotations
 
+import io
 import pickle
 
 from workers.batch import SamplingSpec, SeqWork, StepInput
@@ -74,5 +75,14 @@ def test_answers_read_back_equal_what_the_rank_answered():
     )
     for answer in (output, StepOutput([]), None, StepFailure("RuntimeError: x")):
         assert pickle.loads(encode_answer(answer)) == answer
+    # The codec lists SeqResult's fields by hand (a tuple of attributes is the fastest form
+    # on this per-step path): it must name every one of them, in the dataclass's order.
+    from dataclasses import fields
+
+    from workers.step_codec import _AnswerPickler
+
+    result = output.results[0]
+    reduced = _AnswerPickler(io.BytesIO()).reducer_override(result)
+    assert reduced == (SeqResult, tuple(getattr(result, f.name) for f in fields(SeqResult)))
     # Smaller than the dataclasses pickled by field name.
     assert len(encode_answer(output)) < len(pickle.dumps(output, pickle.HIGHEST_PROTOCOL))
