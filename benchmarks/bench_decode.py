@@ -3,13 +3,14 @@ transformers' DeepseekV32ForCausalLM on the same weights, with MTP and PDL on an
 
     PYTHONPATH=$PWD python benchmarks/bench_decode.py [--layers 4] [--out results.md]
 
-The slice: DeepSeek-V3.2's real widths (hidden 7168, 128 heads, q/kv LoRA 1536/512, rope 64,
-indexer 64x128 top-2048, 256 routed experts top-8 of inter 2048 + 1 shared, vocab 129280),
-`--layers` layers (the first dense, the rest MoE) plus the MTP layer, deterministic random bf16
-weights made on the GPU. KV caches hold random entries: a decode step's cost does not depend on
-their values. Step times are CUDA-graph replays of the target forward + LM head (what the
-engine replays each decode step), timed with CUDA events; "engine" rows are the model runner's
-whole step (host bookkeeping and sampling included), timed by the wall clock.
+The slice: DeepSeek-V3.2's real widths (hidden 7168, 128 heads, q/kv LoRA 1536/512, rope 64, indexer
+64x128 top-2048, 256 routed experts top-8 of inter 2048 + 1 shared, vocab 129280), `--layers` layers
+(the first dense, the rest MoE) plus the MTP layer, deterministic random bf16 weights made on the
+GPU (with `--fp8`, made FP8 module by module as DeepSeek ships them, UE8M0 scales: the slice then
+fits an 80 GB GPU; `--fp8-scales amax` quantizes the bf16 slice). KV caches hold random entries: a
+decode step's cost does not depend on their values. Step times are CUDA-graph replays of the target
+forward + LM head (what the engine replays each decode step), timed with CUDA events; "engine" rows
+are the model runner's whole step (host bookkeeping and sampling included), timed by the wall clock.
 """
 
 from __future__ import annotations
@@ -180,16 +181,21 @@ class DecodeBench:
         )
         return ids, positions, slots, tables
 
-    def graph_ms(self, graphs: DecodeGraphs, batch: int, context: int, q: int, reps=20) -> float:
-        """GPU time per step of the decode graph: the one copy of its packed inputs, the replay
-        (`warmed_median` of windows of `reps` steps: measured first, a configuration looked
-        slow)."""
+    def packed(self, graphs: DecodeGraphs, batch: int, context: int, q: int) -> torch.Tensor:
+        """The decode graph's packed inputs for `inputs(batch, context, q)`, in pinned memory."""
         ids, _, _, tables = self.inputs(batch, context, q)
         ids, tables = ids.view(batch, q).tolist(), tables.tolist()
         seqs = [SeqWork(f"r{b}", ids[b], context, tables[b], q - 1, True) for b in range(batch)]
         layout = graphs.layout(batch, q)
         host = torch.empty(layout.numel, dtype=torch.long, pin_memory=True)
         pack_step(seqs, BLOCK, layout, host.numpy())
+        return host
+
+    def graph_ms(self, graphs: DecodeGraphs, batch: int, context: int, q: int, reps=20) -> float:
+        """GPU time per step of the decode graph: the one copy of its packed inputs, the replay
+        (`warmed_median` of windows of `reps` steps: measured first, a configuration looked
+        slow)."""
+        host = self.packed(graphs, batch, context, q)
 
         def step():
             graphs.load(host, batch, q)
@@ -398,6 +404,57 @@ def profile_step(
     if tokens_per_seq == 1:
         graphs = bench.graphs(True, batch)
         print(f"graph replay {bench.graph_ms(graphs, batch, context, 1):.3f} ms/step")
+        replay_timeline(bench, graphs, batch, context)
+
+
+def replay_timeline(bench: DecodeBench, graphs: DecodeGraphs, batch: int, context: int) -> None:
+    """Where a graph-replayed step's time goes, PDL on: each kernel's share of the replay's span
+    is how far its end moved the latest end so far (under PDL a kernel starts early and waits, so
+    its own duration overlaps the one before it), summed by kernel over five replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs.load(bench.packed(graphs, batch, context, 1), batch, 1)
+    for _ in range(3):
+        graphs.replay(batch, 1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graphs.replay(batch, 1)
+            torch.cuda.synchronize()
+            time.sleep(0.005)  # replays 5 ms apart: each one's span is its own
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA"),
+        key=lambda e: e.time_range.start,
+    )
+    moved: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    spans, gaps = [], 0.0
+    first = latest = None
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        if latest is None or start - latest > 2000:  # a replay starts (times in us)
+            if latest is not None:
+                spans.append(latest - first)
+            first = latest = start
+        gaps += max(0.0, start - latest)
+        moved[e.name] = moved.get(e.name, 0.0) + max(0.0, end - latest)
+        counts[e.name] = counts.get(e.name, 0) + 1
+        latest = max(latest, end)
+    if latest is not None:
+        spans.append(latest - first)
+    if not spans:
+        print("the profiler saw no kernels inside the graph replays")
+        return
+    span = sum(spans) / len(spans)
+    print(
+        f"graph replay under the profiler: span {span / 1e3:.3f} ms over {len(spans)} replays, "
+        f"{len(kernels) / len(spans):.0f} kernels each; idle between kernels "
+        f"{gaps / len(spans):.1f} us"
+    )
+    print(f"{'us/step':>9} {'share':>6} {'count':>6}  kernel (how far it moved the step's end)")
+    for name in sorted(moved, key=lambda n: -moved[n]):
+        us = moved[name] / len(spans)
+        print(f"{us:9.1f} {us / span * 100:5.1f}% {counts[name] / len(spans):6.0f}  {name[:110]}")
 
 
 def routed_on_rank(model, step) -> str | None:
@@ -701,9 +758,20 @@ def run_tp(world: int, layers: int) -> dict[tuple[int, int], float]:
 def run_single(args, emit, bw: float) -> None:
     """The single-GPU tables."""
     config = slice_config(args.layers)
-    model = build_model(config)
-    if args.fp8:
-        converted = to_fp8(model, pow2_scales=args.fp8_scales == "ue8m0")
+    if args.fp8 and args.fp8_scales == "ue8m0":
+        # Built FP8 module by module: the slice in bf16 first (~97 GB) fits no 80 GB GPU.
+        from benchmarks.bench_rank_shard import build_shard
+
+        model = build_shard(config, CUDA, lambda line: None, topk_source=None)
+        converted = sum(
+            p.dtype == torch.float8_e4m3fn
+            for n, p in model.named_parameters()
+            if n.endswith(("weight", "w13"))
+        )
+    else:
+        model = build_model(config)
+        if args.fp8:
+            converted = to_fp8(model, pow2_scales=False)
     emit(
         f"slice: {args.layers} layers (1 dense + {args.layers - 1} MoE) + MTP, "
         f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f} B params"

@@ -143,10 +143,11 @@ def _fill_random(name: str, p: torch.Tensor, params: dict, gen: torch.Generator)
 
 
 @torch.no_grad()
-def build_shard(config, device: torch.device, progress=print):
+def build_shard(config, device: torch.device, progress=print, topk_source: int | None = RANK):
     """Rank RANK's modules at the simulated rank's sizes (call inside `simulated_rank`), built
     on the meta device, made FP8 as DeepSeek ships them, then given random values on `device`
-    module by module (nothing of its size ever on the host)."""
+    module by module (nothing of its size ever on the host, nor in bf16). `topk_source`: the TP
+    rank whose indexer picks for all (None: each rank its own, as at TP=1)."""
     from workers.loader import scales_loaded
     from workers.memory_plan import use_fp8_as_shipped
     from workers.model import DeepseekV32ForCausalLM, Rotary
@@ -156,7 +157,7 @@ def build_shard(config, device: torch.device, progress=print):
     use_fp8_as_shipped(model)
     model.to_empty(device=device)
     model.rotary = Rotary(config).to(device)  # to_empty left its computed buffer uninitialized
-    model.set_topk_source(RANK)
+    model.set_topk_source(topk_source)
     for p in model.parameters():
         p.requires_grad_(False)
     gen = torch.Generator(device).manual_seed(0)
