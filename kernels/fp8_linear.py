@@ -267,6 +267,42 @@ W8A16_GEMV_CONFIG = Fp8GemvConfig(block_n=32, block_k=512, num_warps=4, split_ta
 
 
 @triton.jit
+def gemv_weights(
+    w_rows, scale_rows, k0, k_end, col_mask, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr
+):
+    """One K step's FP8 tile [BLOCK_N, BLOCK_K] and its scales [BLOCK_N, BLOCK_K // 128]."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + kk[None, :], mask=col_mask[:, None] & (kk < k_end)[None, :], other=0.0)
+    blocks = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
+    scale = tl.load(
+        scale_rows + blocks[None, :],
+        mask=col_mask[:, None] & (blocks * SCALE_BLOCK < k_end)[None, :],
+        other=0.0,
+    )
+    return w, scale
+
+
+@triton.jit
+def gemv_step(
+    w,
+    scale,
+    x_ptr,
+    k0,
+    k_end,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+):
+    """A K step's fp32 partial sums [BLOCK_N]: the row times the tile, per 128-block, each
+    block's sum times its scale (a power of two times a sum: exact)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + kk, mask=kk < k_end, other=0.0).to(tl.float32)
+    product = w.to(tl.float32) * x[None, :]  # [BLOCK_N, BLOCK_K]
+    sums = tl.sum(tl.reshape(product, [BLOCK_N, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK]), axis=2)
+    return tl.sum(sums * scale, axis=1)
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -293,23 +329,15 @@ def _fp8_gemv_kernel(
     k_end = tl.minimum(k_start + k_per_split, in_features)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * w_row_stride
     scale_rows = scale_ptr + (cols // SCALE_BLOCK)[:, None] * scale_row_stride
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # The weights do not depend on the kernel before this one: the first K step's tile is read
+    # before the PDL wait, so its bytes come in while that kernel ends (every split has a step).
+    w, scale = gemv_weights(w_rows, scale_rows, k_start, k_end, col_mask, BLOCK_K, SCALE_BLOCK)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = kk < k_end
-        w = tl.load(w_rows + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        product = w.to(tl.float32) * x[None, :]  # [BLOCK_N, BLOCK_K]
-        sums = tl.sum(tl.reshape(product, [BLOCK_N, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK]), axis=2)
-        blocks = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
-        scale = tl.load(
-            scale_rows + blocks[None, :],
-            mask=col_mask[:, None] & (blocks * SCALE_BLOCK < k_end)[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_K // 128]
-        acc += tl.sum(sums * scale, axis=1)  # a power of two times a sum: exact
+    acc = gemv_step(w, scale, x_ptr, k_start, k_end, BLOCK_N, BLOCK_K, SCALE_BLOCK)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        w, scale = gemv_weights(w_rows, scale_rows, k0, k_end, col_mask, BLOCK_K, SCALE_BLOCK)
+        acc += gemv_step(w, scale, x_ptr, k0, k_end, BLOCK_N, BLOCK_K, SCALE_BLOCK)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     store_split_k(

@@ -18,6 +18,7 @@ from kernels.fp8 import (
     quantize_activations_reference,
     scale_grid,
 )
+from kernels.fp8_linear import gemv_step, gemv_weights, split_k_workspace, store_split_k
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
 from kernels.platform import tl, triton
 
@@ -632,6 +633,224 @@ def launch_pair_sum(
     )
 
 
+# One token (a decode step of one sequence without MTP) with UE8M0 scales: its top-k experts are
+# distinct, so each expert multiplies one row, and the tensor-core tile would pad it to 16 rows
+# and convert every weight for them. These kernels read the experts' FP8 weights on CUDA cores as
+# the dense one-row kernel does (kernels/fp8_linear.py: the same tile loads and per-block sums),
+# one program per (pair, output tile), and need no grouped layout: a pair's expert is read from
+# the routes. The down kernel sums the token's pairs as a split-K launch sums its splits (the
+# last of a tile's pairs to arrive adds the pairs' weighted outputs in slot order, from zeros, in
+# fp32, and rounds once): the same numbers as `_moe_sum_kernel`, without its launch.
+
+
+@dataclass(frozen=True)
+class MoeGemvConfig:
+    """A launch config of the one-token expert kernels: output tiles of block_n (gate/up: of
+    each half), K steps of block_k (a multiple of 128)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+ONE_TOKEN_CONFIG = MoeGemvConfig(block_n=32, block_k=512, num_warps=4)
+
+
+@triton.jit
+def _moe_gemv_gate_up_kernel(
+    x_ptr,
+    ids_ptr,
+    w13_ptr,
+    w13_scale_ptr,
+    h_ptr,
+    w13_expert_stride,
+    w13_row_stride,
+    scale_expert_stride,
+    scale_part_stride,
+    scale_row_stride,
+    hidden,
+    intermediate,
+    num_local_experts,
+    first_expert,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pair = tl.program_id(0)  # the token's slot
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # of intermediate
+    col_mask = cols < intermediate
+    dtype = h_ptr.dtype.element_ty
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    expert = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+    if (expert >= 0) & (expert < num_local_experts):
+        e = expert.to(tl.int64)
+        w_gate = w13_ptr + e * w13_expert_stride + cols[:, None].to(tl.int64) * w13_row_stride
+        w_up = w_gate + intermediate * w13_row_stride
+        s_gate = (
+            w13_scale_ptr
+            + e * scale_expert_stride
+            + (cols // _SCALE_BLOCK)[:, None] * scale_row_stride
+        )
+        s_up = s_gate + scale_part_stride
+        acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            wg, sg = gemv_weights(w_gate, s_gate, k0, hidden, col_mask, BLOCK_K, _SCALE_BLOCK)
+            wu, su = gemv_weights(w_up, s_up, k0, hidden, col_mask, BLOCK_K, _SCALE_BLOCK)
+            acc_gate += gemv_step(wg, sg, x_ptr, k0, hidden, BLOCK_N, BLOCK_K, _SCALE_BLOCK)
+            acc_up += gemv_step(wu, su, x_ptr, k0, hidden, BLOCK_N, BLOCK_K, _SCALE_BLOCK)
+        # Round where the twin rounds: the GEMM output, silu, the product.
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(h_ptr + pair * intermediate + cols, (silu * up).to(dtype), mask=col_mask)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(
+    h_ptr,
+    ids_ptr,
+    topk_weights_ptr,
+    w2_ptr,
+    w2_scale_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    w2_expert_stride,
+    w2_row_stride,
+    scale_expert_stride,
+    scale_row_stride,
+    hidden,
+    intermediate,
+    num_local_experts,
+    first_expert,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # top_k > 1: the pairs summed
+    USE_PDL: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # of hidden
+    pair = tl.program_id(1)
+    col_mask = cols < hidden
+    dtype = h_ptr.dtype.element_ty
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    expert = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # a pair held elsewhere adds 0
+    if (expert >= 0) & (expert < num_local_experts):
+        e = expert.to(tl.int64)
+        w_rows = w2_ptr + e * w2_expert_stride + cols[:, None].to(tl.int64) * w2_row_stride
+        s_rows = (
+            w2_scale_ptr
+            + e * scale_expert_stride
+            + (cols // _SCALE_BLOCK)[:, None] * scale_row_stride
+        )
+        h_row = h_ptr + pair * intermediate
+        for k0 in range(0, intermediate, BLOCK_K):
+            w, scale = gemv_weights(
+                w_rows, s_rows, k0, intermediate, col_mask, BLOCK_K, _SCALE_BLOCK
+            )
+            acc += gemv_step(w, scale, h_row, k0, intermediate, BLOCK_N, BLOCK_K, _SCALE_BLOCK)
+        weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) * weight  # as `_moe_down_kernel` weighs a pair
+    store_split_k(
+        acc,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        cols,
+        col_mask,
+        tl.program_id(0),
+        pair,
+        TOP_K,
+        hidden,
+        SPLIT_K,
+    )
+
+
+def _grouped_moe_one_token(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    config: MoeGemvConfig,
+) -> torch.Tensor:
+    """The one-token kernels (FP8 experts, power-of-two scales): x [1, hidden] -> [1, hidden]."""
+    num_local_experts, two_i, hidden = w13.shape
+    intermediate = two_i // 2
+    top_k = topk_ids.shape[1]
+    if config.block_k % FP8_BLOCK:
+        raise ValueError(f"block_k {config.block_k} is not a multiple of {FP8_BLOCK}")
+    if w13_scale.stride(-1) != 1 or w2_scale.stride(-1) != 1:
+        raise ValueError("the one-token expert kernels read scale rows with stride 1")
+    if x.stride(-1) != 1:
+        raise ValueError("x: last dim must have stride 1")
+    device = x.device
+    h = torch.empty(top_k, intermediate, dtype=x.dtype, device=device)
+    out = torch.empty(1, hidden, dtype=x.dtype, device=device)
+    launch(
+        _moe_gemv_gate_up_kernel,
+        (top_k, triton.cdiv(intermediate, config.block_n)),
+        x,
+        x,
+        topk_ids,
+        w13,
+        w13_scale,
+        h,
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale.stride(0),
+        w13_scale.stride(1),
+        w13_scale.stride(2),
+        hidden,
+        intermediate,
+        num_local_experts,
+        first_expert,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=1,
+    )
+    num_tiles = triton.cdiv(hidden, config.block_n)
+    partial, counters = split_k_workspace(out, top_k, num_tiles)
+    launch(
+        _moe_gemv_down_kernel,
+        (num_tiles, top_k),
+        x,
+        h,
+        topk_ids,
+        topk_weights,
+        w2,
+        w2_scale,
+        out,
+        partial,
+        counters,
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale.stride(0),
+        w2_scale.stride(1),
+        hidden,
+        intermediate,
+        num_local_experts,
+        first_expert,
+        TOP_K=top_k,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_K=top_k > 1,
+        num_warps=config.num_warps,
+        num_stages=1,
+    )
+    return out
+
+
 def grouped_moe_triton(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -641,19 +860,35 @@ def grouped_moe_triton(
     first_expert: int = 0,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    config: GroupedGemmConfig | None = None,
+    config: GroupedGemmConfig | MoeGemvConfig | None = None,
     pow2_scales: bool = False,
     num_experts: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of `grouped_moe_reference` (contiguous grouped layout); FP8 experts when
     w13_scale and w2_scale are given (dequantized in registers, activations stay in x's dtype).
     `pow2_scales`: the caller's promise that every scale is a power of two (see POW2_SCALES).
-    `num_experts`: the routed experts over all ranks (picks the decode tile, `decode_config`)."""
+    `num_experts`: the routed experts over all ranks (picks the decode tile, `decode_config`).
+    One token with FP8 experts and power-of-two scales takes the one-token kernels
+    (`ONE_TOKEN_CONFIG`) unless `config` says otherwise; a `MoeGemvConfig` takes only that."""
     device = x.device
     fp8 = w13_scale is not None or w2_scale is not None
     num_tokens, hidden, num_local_experts, intermediate, top_k = check_moe_args(
         x, w13, w2, topk_weights, topk_ids, (FP8_DTYPE,) if fp8 else (x.dtype,)
     )
+    one_token = num_tokens == 1 and fp8 and pow2_scales
+    if config is None and one_token:
+        config = ONE_TOKEN_CONFIG
+    if isinstance(config, MoeGemvConfig):
+        if not one_token:
+            raise ValueError(
+                "the one-token expert kernels take 1 token of FP8 experts with power-of-two "
+                f"scales, not {num_tokens} tokens{'' if fp8 else ' of bf16 experts'}"
+                f"{'' if pow2_scales else ' without pow2_scales'}"
+            )
+        check_fp8_scales(w13, w2, w13_scale, w2_scale)
+        return _grouped_moe_one_token(
+            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, config
+        )
     num_pairs = num_tokens * top_k
     if config is None:
         if num_pairs <= DECODE_MAX_PAIRS:

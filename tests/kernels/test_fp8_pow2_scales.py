@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fp8_linear
+from kernels import fp8_linear, moe_experts
 from kernels.fp8 import (
     FP8_DTYPE,
     dequantize_fp8_reference,
@@ -27,7 +27,9 @@ from kernels.fp8_linear import (
 )
 from kernels.moe_experts import (
     DECODE_CONFIG,
+    ONE_TOKEN_CONFIG,
     PREFILL_CONFIG,
+    MoeGemvConfig,
     grouped_moe_reference,
     grouped_moe_triton,
 )
@@ -214,3 +216,92 @@ def test_the_one_row_kernels_splits_are_whole_steps() -> None:
     assert split_k(66, 7168, 528, 256) == (7, 1024)
     assert split_k(66, 7168, 528) == (8, 896)  # 128-wide, the tensor-core kernel's
     assert split_k(4, 7168, 1, 256) == (1, 7168)
+
+
+def _pow2_experts(num_local: int, hidden: int, intermediate: int, seed: int):
+    w13, w2, w13_scale, w2_scale = fp8_experts(num_local, hidden, intermediate, seed=seed)
+    return w13, w2, to_powers_of_two(w13_scale), to_powers_of_two(w2_scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_local,first_expert,ids,hidden,intermediate,config",
+    [
+        # pairs 0 and 2 held here, 1 elsewhere; partial edge tiles and scale blocks both ways
+        (3, 2, [3, 7, 4], 300, 160, MoeGemvConfig(32, 256, 4)),
+        (6, 0, [5, 0, 2, 3], 300, 160, MoeGemvConfig(64, 128, 4)),  # every pair held here
+        (4, 5, [6], 384, 256, ONE_TOKEN_CONFIG),  # top-1: one pair, nothing to sum
+    ],
+)
+def test_one_token_expert_kernels_match_the_twin(
+    dtype, num_local, first_expert, ids, hidden, intermediate, config
+) -> None:
+    """One token's FP8 experts on CUDA cores (no grouped layout, the pairs summed in the down
+    kernel's launch) equal the twin and the tensor-core tiles; pairs routed to experts held
+    elsewhere add nothing; the same bits on a second run, the tile counters left at zero."""
+    w13, w2, w13_scale, w2_scale = _pow2_experts(num_local, hidden, intermediate, len(ids))
+    gen = torch.Generator().manual_seed(len(ids))
+    topk_ids = torch.tensor([ids], dtype=torch.int32, device=DEVICE)
+    weights = (torch.rand(1, len(ids), generator=gen) + 0.5).to(DEVICE)
+    x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+    args = (x, w13, w2, weights, topk_ids, first_expert)
+    expected = grouped_moe_reference(*args, **scales)
+    got = grouped_moe_triton(*args, **scales, config=config, pow2_scales=True)
+    assert_close(got, expected)
+    assert expected.float().abs().max() > 0
+    assert torch.equal(grouped_moe_triton(*args, **scales, config=config, pow2_scales=True), got)
+    tiles = grouped_moe_triton(*args, **scales, config=DECODE_CONFIG, pow2_scales=True)
+    assert_close(got, tiles)
+    counters = fp8_linear._TILE_COUNTERS.get(x.device)
+    assert counters is None or int(counters.count_nonzero()) == 0
+    # Each held pair counts with its routing weight; a pair held elsewhere with none.
+    for slot, expert in enumerate(ids):
+        zeroed = weights.clone()
+        zeroed[0, slot] = 0.0
+        moved = grouped_moe_triton(
+            x, w13, w2, zeroed, topk_ids, first_expert, **scales, config=config, pow2_scales=True
+        )
+        held = first_expert <= expert < first_expert + num_local
+        if held:
+            assert (moved.float() - got.float()).abs().max() > 0
+            assert_close(
+                moved, grouped_moe_reference(x, w13, w2, zeroed, topk_ids, first_expert, **scales)
+            )
+        else:
+            assert torch.equal(moved, got)
+
+
+@needs_triton
+def test_one_token_with_pow2_scales_takes_the_one_token_kernels_and_no_other(monkeypatch) -> None:
+    """The launcher's choice: one token of FP8 experts with pow2_scales goes to the one-token
+    kernels; more tokens, per-element scales or bf16 experts go to the tiles; the one-token
+    config elsewhere is refused."""
+    w13, w2, w13_scale, w2_scale = _pow2_experts(4, 300, 160, seed=3)
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+    calls = []
+    real = moe_experts._grouped_moe_one_token
+    monkeypatch.setattr(
+        moe_experts,
+        "_grouped_moe_one_token",
+        lambda *args: calls.append(args[-1]) or real(*args),
+    )
+    one, two = (torch.randn(rows, 300).to(DEVICE) for rows in (1, 2))
+    ids1 = torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE)
+    ids2 = torch.tensor([[1, 2], [0, 3]], dtype=torch.int32, device=DEVICE)
+    w1, w2_ = torch.ones(1, 2, device=DEVICE), torch.ones(2, 2, device=DEVICE)
+    assert_close(
+        grouped_moe_triton(one, w13, w2, w1, ids1, 0, **scales, pow2_scales=True),
+        grouped_moe_reference(one, w13, w2, w1, ids1, 0, **scales),
+    )
+    assert calls == [ONE_TOKEN_CONFIG]
+    grouped_moe_triton(two, w13, w2, w2_, ids2, 0, **scales, pow2_scales=True)
+    grouped_moe_triton(one, w13, w2, w1, ids1, 0, **scales)
+    assert calls == [ONE_TOKEN_CONFIG]
+    with pytest.raises(ValueError, match="one-token expert kernels"):
+        grouped_moe_triton(
+            two, w13, w2, w2_, ids2, 0, **scales, config=ONE_TOKEN_CONFIG, pow2_scales=True
+        )
+    with pytest.raises(ValueError, match="one-token expert kernels"):
+        grouped_moe_triton(one, w13, w2, w1, ids1, 0, **scales, config=ONE_TOKEN_CONFIG)
