@@ -153,9 +153,13 @@ def test_w8a8_grouped_moe_real_shapes(fp8_experts, monkeypatch, num_tokens: int)
     assert torch.equal(ops.grouped_moe(*args), actual)
 
 
-def _fp8_moe_chain(experts, num_tokens: int):
-    """Routing then the FP8 experts, as a decode (8 tokens) or prefill (128) step runs them."""
+def _fp8_moe_chain(experts, num_tokens: int, pow2: bool = False):
+    """Routing then the FP8 experts, as a decode (8 tokens) or prefill (128) step runs them;
+    `pow2`: every scale rounded to a power of two (one token then takes the one-token kernels)."""
     w13, w2, w13_scale, w2_scale, first_expert = experts
+    if pow2:
+        w13_scale = torch.exp2(torch.round(torch.log2(w13_scale)))
+        w2_scale = torch.exp2(torch.round(torch.log2(w2_scale)))
     torch.manual_seed(0)
     x = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=CUDA)
     router = torch.randn(num_tokens, NUM_EXPERTS, device=CUDA)
@@ -164,7 +168,15 @@ def _fp8_moe_chain(experts, num_tokens: int):
     def step() -> tuple[torch.Tensor, ...]:
         weights, ids = ops.moe_route(router, bias, NUM_GROUPS, TOPK_GROUPS, TOP_K, True, 2.5)
         moe = ops.grouped_moe(
-            x, w13, w2, weights, ids, first_expert, w13_scale=w13_scale, w2_scale=w2_scale
+            x,
+            w13,
+            w2,
+            weights,
+            ids,
+            first_expert,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
+            pow2_scales=pow2,
         )
         return weights, ids, moe
 
@@ -178,6 +190,19 @@ def test_fp8_pdl_on_and_off_identical_over_graph_replays(
     assert pdl_enabled(CUDA), "this test is meant for Hopper or newer"
     with_pdl, without_pdl, mismatches = pdl_on_and_off_over_graph_replays(
         lambda: _fp8_moe_chain(fp8_experts, num_tokens), monkeypatch
+    )
+    assert mismatches == 0
+    for on, off in zip(with_pdl, without_pdl):
+        assert torch.equal(on, off)
+
+
+def test_one_token_pdl_on_and_off_identical_over_graph_replays(fp8_experts, monkeypatch) -> None:
+    """One token with power-of-two scales: the one-token kernels (the down kernel sums the
+    pairs with the split-K tile counters) give the same bits with PDL on and off, replay after
+    replay."""
+    assert pdl_enabled(CUDA), "this test is meant for Hopper or newer"
+    with_pdl, without_pdl, mismatches = pdl_on_and_off_over_graph_replays(
+        lambda: _fp8_moe_chain(fp8_experts, 1, pow2=True), monkeypatch
     )
     assert mismatches == 0
     for on, off in zip(with_pdl, without_pdl):
