@@ -270,7 +270,8 @@ W8A16_GEMV_CONFIG = Fp8GemvConfig(block_n=32, block_k=512, num_warps=4, split_ta
 def gemv_weights(
     w_rows, scale_rows, k0, k_end, col_mask, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr
 ):
-    """One K step's FP8 tile [BLOCK_N, BLOCK_K] and its scales [BLOCK_N, BLOCK_K // 128]."""
+    """One K step's FP8 tile [BLOCK_N, BLOCK_K] and its scales [BLOCK_N, BLOCK_K // 128] (scale
+    rows read with stride 1). Shared with kernels/moe_experts.py's one-token expert kernels."""
     kk = k0 + tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + kk[None, :], mask=col_mask[:, None] & (kk < k_end)[None, :], other=0.0)
     blocks = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)

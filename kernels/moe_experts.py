@@ -682,7 +682,7 @@ def _moe_gemv_gate_up_kernel(
     dtype = h_ptr.dtype.element_ty
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()  # the down kernel may come in and wait
     expert = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
     if (expert >= 0) & (expert < num_local_experts):
         e = expert.to(tl.int64)
