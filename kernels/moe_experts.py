@@ -791,8 +791,6 @@ def _grouped_moe_one_token(
         raise ValueError(f"block_k {config.block_k} is not a multiple of {FP8_BLOCK}")
     if w13_scale.stride(-1) != 1 or w2_scale.stride(-1) != 1:
         raise ValueError("the one-token expert kernels read scale rows with stride 1")
-    if x.stride(-1) != 1:
-        raise ValueError("x: last dim must have stride 1")
     device = x.device
     h = torch.empty(top_k, intermediate, dtype=x.dtype, device=device)
     out = torch.empty(1, hidden, dtype=x.dtype, device=device)
@@ -875,6 +873,10 @@ def grouped_moe_triton(
     num_tokens, hidden, num_local_experts, intermediate, top_k = check_moe_args(
         x, w13, w2, topk_weights, topk_ids, (FP8_DTYPE,) if fp8 else (x.dtype,)
     )
+    if fp8:  # both paths' scales
+        check_fp8_scales(w13, w2, w13_scale, w2_scale)
+        check_tensor("w13_scale", w13_scale, last_dim_contiguous=False, device=device)
+        check_tensor("w2_scale", w2_scale, last_dim_contiguous=False, device=device)
     one_token = num_tokens == 1 and fp8 and pow2_scales
     if config is None and one_token:
         config = ONE_TOKEN_CONFIG
@@ -885,7 +887,6 @@ def grouped_moe_triton(
                 f"scales, not {num_tokens} tokens{'' if fp8 else ' of bf16 experts'}"
                 f"{'' if pow2_scales else ' without pow2_scales'}"
             )
-        check_fp8_scales(w13, w2, w13_scale, w2_scale)
         return _grouped_moe_one_token(
             x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, config
         )
@@ -896,9 +897,6 @@ def grouped_moe_triton(
         else:
             config = PREFILL_CONFIG
     if fp8:
-        check_fp8_scales(w13, w2, w13_scale, w2_scale)
-        check_tensor("w13_scale", w13_scale, last_dim_contiguous=False, device=device)
-        check_tensor("w2_scale", w2_scale, last_dim_contiguous=False, device=device)
         if FP8_BLOCK % config.block_k:
             raise ValueError(f"FP8 experts need block_k dividing {FP8_BLOCK}, got {config.block_k}")
         w13_scale_strides = w13_scale.stride()

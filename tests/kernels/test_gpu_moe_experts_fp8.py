@@ -24,6 +24,7 @@ from tests.kernels.conftest import (
     assert_close_but_rare_rounding_flips,
     pdl_on_and_off_over_graph_replays,
 )
+from tests.kernels.test_fp8_pow2_scales import to_powers_of_two
 from tests.kernels.test_moe_experts_w8a8 import W8A8_TOLERANCES
 
 pytestmark = [
@@ -113,8 +114,7 @@ def test_pow2_scales_grouped_moe_real_shapes(fp8_experts, num_tokens: int) -> No
     later ship them): the POW2_SCALES kernels (e4m3 tiles to bf16 by way of fp16, the scale on
     each k step's product) against the twin, and against the per-element kernels."""
     w13, w2, w13_scale, w2_scale, first_expert = fp8_experts
-    w13_scale = torch.exp2(torch.round(torch.log2(w13_scale)))
-    w2_scale = torch.exp2(torch.round(torch.log2(w2_scale)))
+    w13_scale, w2_scale = to_powers_of_two(w13_scale), to_powers_of_two(w2_scale)
     assert scales_are_powers_of_two(w13_scale) and scales_are_powers_of_two(w2_scale)
     x = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=CUDA)
     weights, ids = _routes(num_tokens, first_expert, w13.shape[0], seed=num_tokens)
@@ -158,8 +158,7 @@ def _fp8_moe_chain(experts, num_tokens: int, pow2: bool = False):
     `pow2`: every scale rounded to a power of two (one token then takes the one-token kernels)."""
     w13, w2, w13_scale, w2_scale, first_expert = experts
     if pow2:
-        w13_scale = torch.exp2(torch.round(torch.log2(w13_scale)))
-        w2_scale = torch.exp2(torch.round(torch.log2(w2_scale)))
+        w13_scale, w2_scale = to_powers_of_two(w13_scale), to_powers_of_two(w2_scale)
     torch.manual_seed(0)
     x = torch.randn(num_tokens, HIDDEN, dtype=BF16, device=CUDA)
     router = torch.randn(num_tokens, NUM_EXPERTS, device=CUDA)
