@@ -11,6 +11,7 @@ import torch
 
 from kernels import deepgemm
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.argmax import argmax_reference, argmax_triton
 from kernels.cache_write import (
     cache_rows_write_reference,
     cache_rows_write_triton,
@@ -330,7 +331,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_triton(x) if use_triton(x.device) else silu_and_mul_reference(x)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (last dim), exactly torch.argmax's."""
+    return argmax_triton(x) if use_triton(x.device) else argmax_reference(x)
+
+
 __all__ = [
+    "argmax",
     "rms_norm",
     "add_rms_norm",
     "linear_fp32",

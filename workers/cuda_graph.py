@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import ops
 from workers.attention_metadata import AttentionMetadata
 from workers.sampler import noise_width, num_candidates, padding_settings, sample_rows
 from workers.step_tensors import StepLayout, pack_step
@@ -81,7 +82,7 @@ class DecodeGraphs:
         logits = self.model.compute_logits(hidden)  # logits stay fp32
         # The argmax of every row in the graph too: exact (ties go to the lowest index, in any
         # reduction order), and one kernel launch less per step on the host.
-        return hidden, logits, logits.argmax(-1)
+        return hidden, logits, ops.argmax(logits)
 
     @contextlib.contextmanager
     def shared_pool(self):

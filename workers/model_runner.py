@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import ops
 from parallel.collectives import tp_broadcast
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
@@ -290,7 +291,7 @@ class ModelRunner:
             if not rows:
                 return hidden, None, None
             logits = self.model.compute_logits(hidden[rows])
-            argmax = logits.argmax(-1)
+            argmax = ops.argmax(logits)
         batch.argmax_device = argmax
         argmax, batch.argmax_copied = start_copy_to_host(argmax)
         return hidden, logits, argmax

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import ops
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
 from workers.batch import SeqResult, StepInput
@@ -211,7 +212,7 @@ def draft_chain(model, inputs: DraftInputs, num_drafts: int, share_topk: bool) -
     mtp_hidden, step0_topk = model.mtp_forward(inputs.tokens, inputs.hidden, inputs.meta)
     kept = keep_rows(step0_topk, inputs.last_rows) if share_topk else None
     g = mtp_hidden.index_select(0, inputs.last_rows)  # [R, hidden]
-    drafts = [model.mtp_logits(g).argmax(-1)]
+    drafts = [ops.argmax(model.mtp_logits(g))]
     meta = inputs.meta
     base = meta.positions.index_select(0, inputs.last_rows)  # [R] the last accepted positions
     seq_idx = meta.seq_idx.index_select(0, inputs.last_rows)
@@ -224,7 +225,7 @@ def draft_chain(model, inputs: DraftInputs, num_drafts: int, share_topk: bool) -
         )
         topk = rows_for_step(kept, j, positions) if kept is not None else None
         g, _ = model.mtp_forward(drafts[-1], g, step_meta, topk)
-        drafts.append(model.mtp_logits(g).argmax(-1))
+        drafts.append(ops.argmax(model.mtp_logits(g)))
     return torch.stack(drafts, 1)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import ops
 from workers.batch import SamplingSpec
 from workers.host_copy import start_copy_to_host
 
@@ -61,7 +62,7 @@ def verify_and_sample(
 ) -> tuple[list[int], int]:
     """-> (emitted tokens: accepted drafts then one target token, number of drafts accepted)."""
     if spec.greedy:
-        targets = argmax if argmax is not None else logits.argmax(-1).tolist()
+        targets = argmax if argmax is not None else ops.argmax(logits).tolist()
         accepted = 0
         while accepted < len(draft_token_ids) and draft_token_ids[accepted] == targets[accepted]:
             accepted += 1
@@ -278,7 +279,7 @@ def sample_rows(
     else:
         # An Exp(1) draw of exactly 0 would make 0 / 0 a NaN, which argmax would pick.
         tiny = torch.finfo(torch.float32).tiny
-        draws = (residual / noise[:, :-1].clamp(min=tiny)).argmax(-1)
+        draws = ops.argmax(residual / noise[:, :-1].clamp(min=tiny))
     return torch.stack([draws, accept[:, 0].long(), exact.long()])
 
 

@@ -9,6 +9,7 @@ import torch
 
 from kernels import (
     activation,
+    argmax,
     cache_write,
     fp8,
     fp8_gemm,
@@ -39,6 +40,7 @@ TWINS = {
     "mla_absorb_q": fp8_mla_absorb.absorb_q_reference,
     "mla_absorb_out": fp8_mla_absorb.absorb_out_reference,
     "silu_and_mul": activation.silu_and_mul_reference,
+    "argmax": argmax.argmax_reference,
 }
 
 

@@ -21,6 +21,7 @@ from triton.runtime.jit import JITFunction
 from kernels import launch as launch_module
 from kernels import platform
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.argmax import argmax_reference, argmax_triton
 from kernels.cache_write import (
     cache_rows_write_reference,
     cache_rows_write_triton,
@@ -68,6 +69,8 @@ ALL_KERNELS = {
     "_rms_norm_kernel",
     "_rope_kernel",
     "_silu_and_mul_kernel",
+    "_argmax_chunk_kernel",
+    "_argmax_pick_kernel",
     "_mla_kv_cache_write_kernel",
     "_indexer_k_cache_write_kernel",
     "_cache_rows_write_kernel",
@@ -131,6 +134,7 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             (torch.randn(3, 9), torch.randn(3, 9), torch.randn(9), 1e-6),
         ),
         ("silu_and_mul", silu_and_mul_triton, silu_and_mul_reference, (torch.randn(3, 10),)),
+        ("argmax", argmax_triton, argmax_reference, (torch.randn(3, 5000),)),
         (
             "linear_fp32",
             linear_fp32_triton,
