@@ -645,15 +645,19 @@ def launch_pair_sum(
 
 @dataclass(frozen=True)
 class MoeGemvConfig:
-    """A launch config of the one-token expert kernels: output tiles of block_n (gate/up: of
-    each half), K steps of block_k (a multiple of 128)."""
+    """A launch config of the one-token expert kernels: output tiles of block_n (gate/up's
+    program reads gate_up_block_n rows of each half), K steps of block_k (a multiple of 128)."""
 
     block_n: int
     block_k: int
     num_warps: int
+    gate_up_block_n: int | None = None  # None: block_n
 
 
-ONE_TOKEN_CONFIG = MoeGemvConfig(block_n=32, block_k=512, num_warps=4)
+# Gate/up in 16-row halves: a K step reads 16 KB of weights a program, as the dense one-row
+# kernel's 32-row tiles do (32-row halves, 32 KB a step, ran at 3.4 TB/s: BENCHMARKS.md,
+# session 35).
+ONE_TOKEN_CONFIG = MoeGemvConfig(block_n=32, block_k=512, num_warps=4, gate_up_block_n=16)
 
 
 @triton.jit
@@ -794,9 +798,10 @@ def _grouped_moe_one_token(
     device = x.device
     h = torch.empty(top_k, intermediate, dtype=x.dtype, device=device)
     out = torch.empty(1, hidden, dtype=x.dtype, device=device)
+    gate_up_block_n = config.gate_up_block_n or config.block_n
     launch(
         _moe_gemv_gate_up_kernel,
-        (top_k, triton.cdiv(intermediate, config.block_n)),
+        (top_k, triton.cdiv(intermediate, gate_up_block_n)),
         x,
         x,
         topk_ids,
@@ -812,7 +817,7 @@ def _grouped_moe_one_token(
         intermediate,
         num_local_experts,
         first_expert,
-        BLOCK_N=config.block_n,
+        BLOCK_N=gate_up_block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=1,

@@ -230,7 +230,7 @@ def _pow2_experts(num_local: int, hidden: int, intermediate: int, seed: int):
     [
         # pairs 0 and 2 held here, 1 elsewhere; partial edge tiles and scale blocks both ways
         (3, 2, [3, 7, 4], 300, 160, MoeGemvConfig(32, 256, 4)),
-        (6, 0, [5, 0, 2, 3], 300, 160, MoeGemvConfig(64, 128, 4)),  # every pair held here
+        (6, 0, [5, 0, 2, 3], 300, 160, MoeGemvConfig(64, 128, 4, 16)),  # every pair held here
         (4, 5, [6], 384, 256, ONE_TOKEN_CONFIG),  # top-1: one pair, nothing to sum
     ],
 )
