@@ -94,6 +94,20 @@ _MLA_PREFETCH = True  # the next tile's indices loaded ahead (bench_kernels.py -
 _MERGE_TILE = 4096  # partials per merge program: splits x latent columns
 
 
+@triton.jit
+def _used_bound(positions_ptr, token, num_topk, BLOCK_K: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """How far into a top-k row the steps go: every entry, or with positions, up to the BLOCK_K
+    tile that holds the row's last used entry (entries past the first p + 1 are -1, the
+    caller's promise). A bound that is a multiple of BLOCK_K keeps the row's loads as wide as
+    without positions (an exact bound and a mask of its own cost 3-6% on the H200 where every
+    entry is used: BENCHMARKS.md, session 12)."""
+    if HAS_POSITIONS:
+        num_used = tl.minimum(tl.load(positions_ptr + token).to(tl.int32) + 1, num_topk)
+        return tl.minimum(tl.cdiv(num_used, BLOCK_K) * BLOCK_K, num_topk)
+    else:
+        return num_topk
+
+
 # Batch-dependent sizes, strides and index-tensor offsets are not specialized on: a new batch
 # shape must not compile a variant mid-serving (Worker.warm_up compiles the rest).
 @triton.jit(
@@ -158,6 +172,13 @@ def _sparse_mla_split_kernel(
 
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+    bound = _used_bound(positions_ptr, token, num_topk, BLOCK_K, HAS_POSITIONS)
+    # The splits take the BLOCK_K tiles in turn (split s: tiles s, s + splits, ...). A split
+    # whose first tile is past the bound has nothing to do: it reads no q and writes no partial
+    # (the merge reads none for it either), where it would write what a split of -1 entries
+    # does (max -1e30, sum 0, acc 0). One split always works (the bound is at least 1).
+    works = tl.full([BLOCK_H], split * BLOCK_K, tl.int32) < bound  # [BLOCK_H], all alike
+    head_mask = head_mask & works  # the heads this program reads and writes
     q_rows = q_ptr + token * q_token_stride + heads[:, None] * q_head_stride
     q_nope = tl.load(
         q_rows + lat[None, :], mask=head_mask[:, None] & lat_mask[None, :], other=0.0
@@ -178,20 +199,9 @@ def _sparse_mla_split_kernel(
     running_max = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
-    if HAS_POSITIONS:
-        # Entries past the first p + 1 are -1 (the caller's promise): the steps stop at the
-        # BLOCK_K tile that holds the last used entry, and what is left of that tile is masked
-        # as any -1 is. A bound that is a multiple of BLOCK_K keeps the row's loads as wide as
-        # without positions (an exact bound and a mask of its own cost 3-6% on the H200 where
-        # every entry is used: BENCHMARKS.md, session 12).
-        num_used = tl.minimum(tl.load(positions_ptr + token).to(tl.int32) + 1, num_topk)
-        bound = tl.minimum(tl.cdiv(num_used, BLOCK_K) * BLOCK_K, num_topk)
-    else:
-        bound = num_topk
-    # The splits take the BLOCK_K tiles in turn (split s: tiles s, s + splits, ...), so a row
-    # whose used entries fill only part of it still spreads them over every split. A tile
-    # wholly past them runs no step and leaves what an all -1 tile leaves (max, sum and acc
-    # unchanged): the output is the same bits as reading them.
+    # A row whose used entries fill only part of it still spreads them over every split. A
+    # tile wholly past them runs no step and leaves what an all -1 tile leaves (max, sum and
+    # acc unchanged): the output is the same bits as reading them.
     topk_row = topk_ptr + token * topk_row_stride
     table_row = block_tables_ptr + seq * block_tables_row_stride
     offs = tl.arange(0, BLOCK_K)
@@ -280,19 +290,23 @@ def _sparse_mla_split_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _sparse_mla_merge_kernel(
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
     out_ptr,
+    positions_ptr,
     out_token_stride,
     out_head_stride,
     num_splits,
+    num_topk,
     NUM_HEADS: tl.constexpr,
     KV_LORA_RANK: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # the split kernel's
+    HAS_POSITIONS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -304,6 +318,9 @@ def _sparse_mla_merge_kernel(
     rows = (token * num_splits + splits) * NUM_HEADS + head  # [BLOCK_SPLITS]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+    # The splits that had no tile wrote nothing: read as what they would have written.
+    bound = _used_bound(positions_ptr, token, num_topk, BLOCK_K, HAS_POSITIONS)
+    split_mask = split_mask & (splits * BLOCK_K < bound)
     split_max = tl.load(partial_max_ptr + rows, mask=split_mask, other=-1.0e30)
     split_sum = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0)
     partial = tl.load(
@@ -459,13 +476,17 @@ def sparse_mla_attention_triton(
         partial_max,
         partial_sum,
         out,
+        seq_idx if positions is None else positions,  # not read without positions
         out.stride(0),
         out.stride(1),
         num_splits,
+        num_topk,
         NUM_HEADS=num_heads,
         KV_LORA_RANK=kv_lora_rank,
         BLOCK_SPLITS=block_splits,
         BLOCK_L=merge_block_l,
+        BLOCK_K=_MLA_BLOCK_K,
+        HAS_POSITIONS=positions is not None,
         num_warps=4,
     )
     return out

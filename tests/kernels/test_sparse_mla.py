@@ -148,3 +148,42 @@ def test_sparse_mla_merge_over_latent_slices_with_a_partial_last_one() -> None:
     q = torch.randn(1, num_heads, width, dtype=torch.float32, device=DEVICE)
     args = (q, kv_cache, block_tables, seq_idx, topk, width**-0.5, kv_lora_rank)
     assert_close(sparse_mla_attention_triton(*args), sparse_mla_attention_reference(*args))
+
+
+@pytest.mark.parametrize("position", [0, 40, 700])
+def test_splits_past_a_tokens_picks_write_and_read_no_partial(monkeypatch, position) -> None:
+    """A split whose first tile is past the token's picks writes no partial, and the merge reads
+    none for it: with every buffer the call allocates filled with NaN, the output is still the
+    bits of the call without positions (which reads every split) and holds no NaN."""
+    from kernels import sparse_mla
+
+    torch.manual_seed(position)
+    num_heads, kv_lora_rank, rope_dim, num_topk = 3, 40, 8, 600  # 19 splits of one tile
+    width = kv_lora_rank + rope_dim
+    kv_cache = torch.randn(12, 64, width, dtype=torch.float32, device=DEVICE)
+    block_tables = torch.randperm(12).view(1, 12).to(torch.int32).to(DEVICE)
+    seq_idx = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    used = min(num_topk, position + 1)
+    topk = torch.full((1, num_topk), -1, dtype=torch.int32)
+    topk[0, :used] = torch.randperm(position + 1)[:used].to(torch.int32)
+    topk = topk.to(DEVICE)
+    positions = torch.tensor([position], device=DEVICE)
+    q = torch.randn(1, num_heads, width, dtype=torch.float32, device=DEVICE)
+    args = (q, kv_cache, block_tables, seq_idx, topk, width**-0.5, kv_lora_rank)
+    expected = sparse_mla_attention_triton(*args)
+    empty = torch.empty
+
+    def nan_filled(*shape, **kwargs):
+        out = empty(*shape, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(sparse_mla.torch, "empty", nan_filled)
+    monkeypatch.setattr(
+        sparse_mla.torch,
+        "empty_like",
+        lambda t: nan_filled(t.shape, dtype=t.dtype, device=t.device),
+    )
+    got = sparse_mla_attention_triton(*args, None, positions)
+    assert not got.isnan().any()
+    assert torch.equal(got, expected)
+    assert_close(got, sparse_mla_attention_reference(*args))
