@@ -49,7 +49,8 @@ from kernels.rmsnorm import (
     rms_norm_reference,
     rms_norm_triton,
 )
-from kernels.rope import rope_cos_sin, rope_reference, rope_triton
+from kernels.rope import rope_cos_sin as rope_cos_sin_reference
+from kernels.rope import rope_cos_sin_triton, rope_reference, rope_triton
 from kernels.settings import settings
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 
@@ -131,6 +132,15 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = add_rms_norm_triton if use_triton(x.device) else add_rms_norm_reference
     return impl(x, residual, weight, eps)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin per position and frequency, once per forward for every layer's RoPE."""
+    use = use_triton(positions.device)
+    impl = rope_cos_sin_triton if use else rope_cos_sin_reference
+    return impl(positions, inv_freq, attention_scaling)
 
 
 def rope(

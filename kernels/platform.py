@@ -58,8 +58,9 @@ class _NoTritonLanguage:
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice  # the CUDA math library's functions, exact
 except ImportError:
-    triton, tl = _NoTriton(), _NoTritonLanguage()
+    triton, tl, libdevice = _NoTriton(), _NoTritonLanguage(), None
     HAS_TRITON = False
     logger.warning("Triton is not installed: every op runs its pure-torch twin")
 else:

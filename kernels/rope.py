@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.launch import FLOAT_DTYPES, check_tensor, launch
-from kernels.platform import tl, triton
+from kernels.platform import libdevice, tl, triton, triton_interpreter
 
 
 def rope_cos_sin(
@@ -20,6 +20,81 @@ def rope_cos_sin(
     """cos/sin per position and frequency: [num_tokens, rope_dim // 2], fp32."""
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+
+
+# Tokens per program: a decode step's few tokens are one program; a 2k prefill chunk 128.
+_COS_SIN_TOKENS = 16
+
+
+# The token count is not specialized on, nor the positions' offset in the step's packed inputs:
+# a new batch shape must not compile a variant mid-serving.
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["positions_ptr"])
+def _rope_cos_sin_kernel(
+    positions_ptr,
+    inv_freq_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_tokens,
+    half,
+    attention_scaling,
+    BLOCK_T: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    LIBDEVICE: tl.constexpr,  # False under the interpreter, which runs no libdevice function
+    USE_PDL: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    freqs = tl.arange(0, BLOCK_F)
+    token_mask = tokens < num_tokens
+    freq_mask = freqs < half
+    inv_freq = tl.load(inv_freq_ptr + freqs, mask=freq_mask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    # The twin's ops one by one, each rounded to fp32: the product, then the device math
+    # library's cos / sin (torch's on CUDA; tl.cos may lower to an approximate instruction),
+    # then the scaling.
+    angle = positions.to(tl.float32)[:, None] * inv_freq[None, :]
+    if LIBDEVICE:
+        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    at = tokens[:, None] * half + freqs[None, :]
+    mask = token_mask[:, None] & freq_mask[None, :]
+    tl.store(cos_ptr + at, cos * attention_scaling, mask=mask)
+    tl.store(sin_ptr + at, sin * attention_scaling, mask=mask)
+
+
+def rope_cos_sin_triton(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `rope_cos_sin`: one launch where the twin makes six."""
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64))
+    check_tensor("inv_freq", inv_freq, ndim=1, dtypes=(torch.float32,), device=positions.device)
+    num_tokens, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(num_tokens, half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if num_tokens and half:
+        launch(
+            _rope_cos_sin_kernel,
+            (triton.cdiv(num_tokens, _COS_SIN_TOKENS),),
+            positions,
+            positions,
+            inv_freq,
+            cos,
+            sin,
+            num_tokens,
+            half,
+            float(attention_scaling),
+            BLOCK_T=_COS_SIN_TOKENS,
+            BLOCK_F=triton.next_power_of_2(half),
+            LIBDEVICE=not triton_interpreter(),
+            num_warps=1,
+        )
+    return cos, sin
 
 
 def rope_reference(

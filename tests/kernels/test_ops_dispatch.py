@@ -31,6 +31,7 @@ TWINS = {
     "fp8_linear": fp8.fp8_linear_reference,
     "add_rms_norm": rmsnorm.add_rms_norm_reference,
     "rope": rope.rope_reference,
+    "rope_cos_sin": rope.rope_cos_sin,
     "mla_kv_cache_write": cache_write.mla_kv_cache_write_reference,
     "indexer_k_cache_write": cache_write.indexer_k_cache_write_reference,
     "indexer_topk": indexer.indexer_topk_reference,

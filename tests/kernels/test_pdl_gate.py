@@ -58,7 +58,7 @@ from kernels.rmsnorm import (
     rms_norm_reference,
     rms_norm_triton,
 )
-from kernels.rope import rope_reference, rope_triton
+from kernels.rope import rope_cos_sin, rope_cos_sin_triton, rope_reference, rope_triton
 from kernels.settings import reload_settings, settings
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
 from tests.kernels.conftest import INTERPRETER
@@ -68,6 +68,7 @@ pytestmark = pytest.mark.skipif(not INTERPRETER, reason="runs the kernels under 
 ALL_KERNELS = {
     "_rms_norm_kernel",
     "_rope_kernel",
+    "_rope_cos_sin_kernel",
     "_silu_and_mul_kernel",
     "_argmax_chunk_kernel",
     "_argmax_pick_kernel",
@@ -154,6 +155,12 @@ def _cases() -> list[tuple[str, Callable[..., Any], Callable[..., Any], tuple]]:
             (torch.randn(3, 200), *quantize_fp8_reference(torch.randn(150, 200))),
         ),
         ("rope", rope_triton, rope_reference, (torch.randn(3, 2, 6), cos, sin, True, 4)),
+        (
+            "rope_cos_sin",
+            rope_cos_sin_triton,
+            rope_cos_sin,
+            (torch.tensor([0, 9, 70]), torch.rand(3), 1.3),
+        ),
         (
             "mla_kv_cache_write",
             mla_kv_cache_write_triton,
