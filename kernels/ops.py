@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import deepgemm
+from kernels import deepgemm, platform
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.argmax import argmax_reference, argmax_triton
 from kernels.cache_write import (
@@ -137,8 +137,9 @@ def add_rms_norm(
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin per position and frequency, once per forward for every layer's RoPE."""
-    use = use_triton(positions.device)
+    """cos/sin per position and frequency, once per forward for every layer's RoPE (the kernel
+    needs the device math library: without it, the twin)."""
+    use = use_triton(positions.device) and platform.libdevice is not None
     impl = rope_cos_sin_triton if use else rope_cos_sin_reference
     return impl(positions, inv_freq, attention_scaling)
 

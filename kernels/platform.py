@@ -58,13 +58,16 @@ class _NoTritonLanguage:
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice  # the CUDA math library's functions, exact
 except ImportError:
     triton, tl, libdevice = _NoTriton(), _NoTritonLanguage(), None
     HAS_TRITON = False
     logger.warning("Triton is not installed: every op runs its pure-torch twin")
 else:
     HAS_TRITON = True
+    try:  # the device math library's functions (CUDA's libdevice, ROCm's ocml), exact
+        from triton.language.extra import libdevice
+    except ImportError:  # not where Triton keeps it: the kernels that need it run their twins
+        libdevice = None
 
 
 def triton_interpreter() -> bool:

@@ -170,3 +170,18 @@ def test_fp8_linear_w8a8_takes_cublaslt_where_it_holds(
     if expect == "cublaslt":
         assert called[0][1] % 16 == 0
         assert called[0][2] == {"scales_token_major": True, "rows_multiple": 16}
+
+
+@pytest.mark.parametrize("has_libdevice", [True, False])
+def test_rope_cos_sin_needs_the_device_math_library(monkeypatch, has_libdevice) -> None:
+    """The cos/sin kernel calls libdevice's cos and sin: where Triton has no libdevice module,
+    the twin runs instead, never a kernel that cannot compile."""
+    from kernels import platform
+
+    monkeypatch.setattr(ops, "use_triton", lambda device: True)
+    monkeypatch.setattr(platform, "libdevice", object() if has_libdevice else None)
+    called: list[str] = []
+    monkeypatch.setattr(ops, "rope_cos_sin_triton", lambda *a: called.append("triton"))
+    monkeypatch.setattr(ops, "rope_cos_sin_reference", lambda *a: called.append("twin"))
+    ops.rope_cos_sin(torch.zeros(2, dtype=torch.int64), torch.ones(4), 1.0)
+    assert called == ["triton" if has_libdevice else "twin"]
