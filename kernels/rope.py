@@ -46,6 +46,7 @@ def _rope_cos_sin_kernel(
     freqs = tl.arange(0, BLOCK_F)
     token_mask = tokens < num_tokens
     freq_mask = freqs < half
+    # The model's inv_freq buffer is no kernel's output: read before the PDL wait.
     inv_freq = tl.load(inv_freq_ptr + freqs, mask=freq_mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
