@@ -97,6 +97,7 @@ class AppArgs(BaseModel):
     max_request_body_bytes: int = Field(IngressLimits.max_request_body_bytes, ge=1)
     max_sequences_per_request: int = Field(IngressLimits.max_sequences_per_request, ge=1)
     max_live_sequences_per_request: int = Field(IngressLimits.max_live_sequences_per_request, ge=1)
+    max_inline_tokenize_chars: int = Field(IngressLimits.max_inline_tokenize_chars, ge=0)
     autoscaling_config: dict[str, Any] | None = None
     # Streamed chunks per second a model-server replica sends in all (a stream's chunks are
     # spaced by streams / this; 0: one chunk per engine step; None: 50 per core of the node, at
@@ -282,4 +283,5 @@ def ingress_limits(args: AppArgs) -> IngressLimits:
         max_request_body_bytes=args.max_request_body_bytes,
         max_sequences_per_request=args.max_sequences_per_request,
         max_live_sequences_per_request=args.max_live_sequences_per_request,
+        max_inline_tokenize_chars=args.max_inline_tokenize_chars,
     )

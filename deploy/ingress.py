@@ -9,8 +9,11 @@ choice it starts, so an engine error (bad parameters, prompt longer than the con
 becomes a 4xx/503 with an OpenAI error body instead of a broken stream.
 
 No request may hurt another (`IngressLimits`): a body past `max_request_body_bytes` is a 413
-before it is read; tokenizing and chat templates run on one worker thread, never on the event
-loop, after a length check that needs no tokenizer; a request may ask for at most
+before it is read; tokenizing and chat templates come after a length check that needs no
+tokenizer, and run on one worker thread, never on the event loop, unless the text is short
+(`max_inline_tokenize_chars`, no tools: bounded work, cheaper than the thread's round trip,
+done with a tokenizer of the loop's own, since tokenizers are not shared across threads); a
+request may ask for at most
 `max_sequences_per_request` choices (prompts x n; 400 beyond), and at most
 `max_live_sequences_per_request` of them are in the engine at once, the next starting as one
 finishes, so a huge fan-out shares the engine with everyone else instead of filling it.
@@ -31,7 +34,6 @@ each engine call, and the model server aborts the engine requests (their KV bloc
 # signatures, and FastAPI then sees string annotations it cannot resolve (bodies become queries).
 
 import asyncio
-import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -294,27 +296,33 @@ class OpenAIIngress:
         self._limits = limits or IngressLimits()
         app.state.max_body_bytes = self._limits.max_request_body_bytes
         self._info: ModelInfo | None = None
-        self._tokenizer = None
+        self._tokenizer = None  # the event loop's
+        self._thread_tokenizer = None  # the tokenizing thread's
         self._chat_format = serving.ChatFormat()
         self._max_prompt_chars = 0
         self._ready_lock: asyncio.Lock | None = None
-        # One thread: tokenizers are not safe to share across threads, and the loop stays free.
+        # One thread, with a tokenizer of its own: tokenizers are not safe to share across
+        # threads, and the loop stays free of long texts.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         # Warm before ready: the model server's info (the handle's first call sets up Serve's
         # router), the tokenizer's load and its thread's first use, and the chat format's first
         # rendering (a Jinja template compiles then) happen here, while the replica starts, not
         # in the first request after the app said it was ready.
-        info, tokenizer = await self._ready()
-        await self._tokenize(tokenizer.encode, "warm up")
+        info, _ = await self._ready()
         warm_chat = ChatCompletionRequest(
             model=info.model_name, messages=[{"role": "user", "content": "warm up"}]
         )
-        try:
-            await self._tokenize(
-                serving.chat_prompt_token_ids, warm_chat, tokenizer, self._chat_format
-            )
-        except Exception:  # noqa: BLE001 - a checkpoint without a chat format: chat answers 400
-            logger.debug("chat format warm-up failed", exc_info=True)
+        for num_chars in (0, self._limits.max_inline_tokenize_chars + 1):  # here, the thread
+            await self._tokenize(num_chars, lambda tokenizer: tokenizer.encode("warm up"))
+            try:
+                await self._tokenize(
+                    num_chars,
+                    lambda tokenizer: serving.chat_prompt_token_ids(
+                        warm_chat, tokenizer, self._chat_format
+                    ),
+                )
+            except Exception:  # noqa: BLE001 - a checkpoint without a chat format: chat is 400
+                logger.debug("chat format warm-up failed", exc_info=True)
 
     async def _ready(self) -> tuple[ModelInfo, object]:
         """The served model's name, context length and tokenizer, fetched once."""
@@ -324,8 +332,8 @@ class OpenAIIngress:
             async with self._ready_lock:
                 if self._info is None:
                     info: ModelInfo = await self._model_server.model_info.remote()
-                    self._tokenizer = await asyncio.to_thread(
-                        AutoTokenizer.from_pretrained, info.model_dir
+                    self._tokenizer, self._thread_tokenizer = await asyncio.to_thread(
+                        lambda: [AutoTokenizer.from_pretrained(info.model_dir) for _ in "ab"]
                     )
                     self._chat_format = serving.ChatFormat.for_checkpoint(
                         info.model_dir, self._tokenizer
@@ -336,12 +344,22 @@ class OpenAIIngress:
                     self._info = info
         return self._info, self._tokenizer
 
-    async def _tokenize(self, fn, *args, inline: bool = False):
-        """`fn(*args)` on the tokenizer's thread, or, `inline`, here (for work that never
-        touches the tokenizer: token-id prompts)."""
-        if inline:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+    async def _tokenize(self, num_chars: int, fn):
+        """`fn(tokenizer)` for a request whose text has `num_chars` characters: here, with the
+        loop's tokenizer, when that is at most `max_inline_tokenize_chars` (token-id prompts
+        have none); else on the tokenizing thread, with its own."""
+        if num_chars <= self._limits.max_inline_tokenize_chars:
+            return fn(self._tokenizer)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, fn, self._thread_tokenizer
+        )
+
+    def _num_chars(self, texts: list[str], tools) -> int:
+        """A chat's weight for `_tokenize`: its messages' characters; with tools, past the
+        inline bound (their schemas are rendered too, and are not counted here)."""
+        if tools:
+            return self._limits.max_inline_tokenize_chars + 1
+        return sum(len(t) for t in texts)
 
     def _check_sizes(self, texts: list[str], num_sequences: int, info: ModelInfo, param: str):
         """400s that need no tokenizer: too many sequences, or text no context can hold."""
@@ -402,7 +420,10 @@ class OpenAIIngress:
             return refused
         if request.messages is not None:
             try:
-                text = await self._tokenize(self._chat_format.prompt_text, request, tokenizer)
+                text = await self._tokenize(
+                    self._num_chars(texts, request.tools),
+                    lambda tokenizer: self._chat_format.prompt_text(request, tokenizer),
+                )
             except InvalidRequestError as exc:
                 return error_response(400, exc.message, "invalid_request_error", exc.param)
             except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
@@ -414,7 +435,8 @@ class OpenAIIngress:
             text = request.prompt
             add_special_tokens = request.add_special_tokens is not False
         tokens = await self._tokenize(
-            functools.partial(tokenizer.encode, add_special_tokens=add_special_tokens), text
+            len(text),
+            lambda tokenizer: tokenizer.encode(text, add_special_tokens=add_special_tokens),
         )
         token_strs = tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(
@@ -472,10 +494,8 @@ class OpenAIIngress:
             return refused
         try:
             prompts = await self._tokenize(
-                serving.completion_prompt_token_ids,
-                request,
-                tokenizer,
-                inline=not request.prompt_texts,  # token ids only: no tokenizer, no thread
+                sum(len(t) for t in request.prompt_texts),  # token ids only: none
+                lambda tokenizer: serving.completion_prompt_token_ids(request, tokenizer),
             )
         except Exception:  # noqa: BLE001 - what the tokenizer refuses is the prompt's fault
             logger.debug("tokenizing a prompt failed", exc_info=True)  # the client's 400
@@ -531,7 +551,10 @@ class OpenAIIngress:
             return refused
         try:
             prompt_ids = await self._tokenize(
-                serving.chat_prompt_token_ids, request, tokenizer, self._chat_format
+                self._num_chars(texts, request.tools),
+                lambda tokenizer: serving.chat_prompt_token_ids(
+                    request, tokenizer, self._chat_format
+                ),
             )
         except InvalidRequestError as exc:
             return error_response(400, exc.message, "invalid_request_error", exc.param)

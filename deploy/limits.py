@@ -17,11 +17,15 @@ from deploy.openai_protocol import ErrorBody, ErrorResponse
 class IngressLimits:
     """What one HTTP request may take. Defaults: a 4 MiB body holds a full 8k-token context
     many times over; 2048 sequences is 16 prompts x OpenAI's n = 128; 32 live sequences per
-    request leave room in a 64-sequence engine batch for others."""
+    request leave room in a 64-sequence engine batch for others. A request's text of at most
+    `max_inline_tokenize_chars` characters (no tools) is tokenized on the event loop: 1,024
+    characters take ~0.35 ms on the 2-core box with a byte-level vocabulary, about what the
+    hand-off to the tokenizer's thread and back costs (BENCHMARKS.md, session 37)."""
 
     max_request_body_bytes: int = 4 * 2**20
     max_sequences_per_request: int = 2048
     max_live_sequences_per_request: int = 32
+    max_inline_tokenize_chars: int = 1024
 
 
 class BodySizeLimit:

@@ -463,3 +463,84 @@ def test_replicas_run_this_checkout(ray_session, serve_url):
         return deploy.__file__
 
     assert ray_session.get(where.remote()) == deploy.__file__
+
+
+# --- 8. where prompts are tokenized --------------------------------------------------------------
+
+
+def _fake_ingress(max_inline_chars: int):
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from deploy.limits import IngressLimits
+
+    return SimpleNamespace(
+        _limits=IngressLimits(max_inline_tokenize_chars=max_inline_chars),
+        _tokenizer="the loop's tokenizer",
+        _thread_tokenizer="the thread's tokenizer",
+        _tokenize_pool=ThreadPoolExecutor(1, thread_name_prefix="tokenize"),
+    )
+
+
+def test_short_texts_are_tokenized_on_the_loop_long_ones_on_the_thread():
+    import threading
+
+    from deploy.ingress import OpenAIIngress
+
+    fake = _fake_ingress(max_inline_chars=100)
+
+    def where(tokenizer):
+        return tokenizer, threading.current_thread().name
+
+    async def run():
+        loop_thread = threading.current_thread().name
+        seen = [await OpenAIIngress._tokenize(fake, n, where) for n in (0, 100, 101, 10**6)]
+        return loop_thread, seen
+
+    loop_thread, seen = asyncio.run(run())
+    fake._tokenize_pool.shutdown()
+    assert seen[0] == seen[1] == ("the loop's tokenizer", loop_thread)
+    assert [s[0] for s in seen[2:]] == ["the thread's tokenizer"] * 2
+    assert all(s[1].startswith("tokenize") and s[1] != loop_thread for s in seen[2:])
+
+
+def test_a_short_prompt_does_not_wait_behind_a_long_one_on_the_tokenizing_thread():
+    import threading
+
+    from deploy.ingress import OpenAIIngress
+
+    fake = _fake_ingress(max_inline_chars=100)
+    release = threading.Event()
+
+    def long_tokenize(tokenizer):
+        assert release.wait(30)  # a huge prompt, still being tokenized
+        return "long"
+
+    async def run():
+        long = asyncio.ensure_future(OpenAIIngress._tokenize(fake, 10**6, long_tokenize))
+        await asyncio.sleep(0.05)  # the thread has taken it
+        short = await asyncio.wait_for(OpenAIIngress._tokenize(fake, 10, lambda t: "short"), 5)
+        still_running = not long.done()
+        release.set()
+        return short, still_running, await long
+
+    assert asyncio.run(run()) == ("short", True, "long")
+    fake._tokenize_pool.shutdown()
+
+
+def test_tokenize_route_gives_the_tokenizers_ids_on_both_sides_of_the_inline_bound(
+    serve_url, served_model, tiny_model_dir
+):
+    from transformers import AutoTokenizer
+
+    from deploy.limits import IngressLimits
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    bound = IngressLimits.max_inline_tokenize_chars
+    base = "Hello, world! Prompts of every length tokenize alike. "
+    for length in (bound - 1, bound, bound + 1, 3 * bound):  # the loop's tokenizer, the thread's
+        prompt = (base * (length // len(base) + 1))[:length]
+        body = {"model": served_model["id"], "prompt": prompt}
+        response = httpx.post(f"{serve_url}/tokenize", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["tokens"] == tokenizer.encode(prompt), length
