@@ -452,10 +452,13 @@ class OpenAIIngress:
         not_found = self._check_model(request.model, info) if request.model else None
         if not_found is not None:
             return not_found
-        if any(not 0 <= t < len(tokenizer) for t in request.tokens):
-            message = f"token ids must be in [0, {len(tokenizer)})"
+        vocab_size, tokens = len(tokenizer), request.tokens
+        if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+            message = f"token ids must be in [0, {vocab_size})"
             return error_response(400, message, "invalid_request_error", "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+        # A token is at least a character: a long list decodes on the tokenizing thread.
+        text = await self._tokenize(len(tokens), lambda t: t.decode(tokens))
+        return DetokenizeResponse(prompt=text)
 
     @app.get("/health")
     async def health(self) -> JSONResponse:

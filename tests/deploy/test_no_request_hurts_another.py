@@ -528,7 +528,7 @@ def test_a_short_prompt_does_not_wait_behind_a_long_one_on_the_tokenizing_thread
     fake._tokenize_pool.shutdown()
 
 
-def test_tokenize_route_gives_the_tokenizers_ids_on_both_sides_of_the_inline_bound(
+def test_tokenize_and_detokenize_agree_with_the_tokenizer_on_both_sides_of_the_inline_bound(
     serve_url, served_model, tiny_model_dir
 ):
     from transformers import AutoTokenizer
@@ -543,4 +543,14 @@ def test_tokenize_route_gives_the_tokenizers_ids_on_both_sides_of_the_inline_bou
         body = {"model": served_model["id"], "prompt": prompt}
         response = httpx.post(f"{serve_url}/tokenize", json=body, timeout=30)
         assert response.status_code == 200, response.text
-        assert response.json()["tokens"] == tokenizer.encode(prompt), length
+        tokens = response.json()["tokens"]
+        assert tokens == tokenizer.encode(prompt), length
+        # Back to text: under the bound on the loop, past it (3 x bound) on the thread.
+        body = {"model": served_model["id"], "tokens": tokens}
+        response = httpx.post(f"{serve_url}/detokenize", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["prompt"] == tokenizer.decode(tokens), length
+    for tokens in ([3, len(tokenizer)], [-1, 3]):
+        body = {"model": served_model["id"], "tokens": tokens}
+        response = httpx.post(f"{serve_url}/detokenize", json=body, timeout=30)
+        assert _error(response)["param"] == "tokens", tokens
