@@ -34,6 +34,7 @@ each engine call, and the model server aborts the engine requests (their KV bloc
 # signatures, and FastAPI then sees string annotations it cannot resolve (bodies become queries).
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -657,8 +658,9 @@ class OpenAIIngress:
         """Interleave the choices' streams as items arrive: yields (choice index, item). The
         `later` choices start one by one, each when a live one finishes, in index order."""
         if len(streams) == 1 and not later:  # one choice (most requests): read here
-            async for item in self._one(streams[0], firsts[0]):
-                yield 0, item
+            async with contextlib.aclosing(self._one(streams[0], firsts[0])) as items:
+                async for item in items:
+                    yield 0, item
             return
         queue: asyncio.Queue = asyncio.Queue()
         pending = list(reversed(later))

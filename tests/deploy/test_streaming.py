@@ -226,3 +226,80 @@ def test_auto_chunk_budget_follows_the_cores(monkeypatch):
     assert resolve_stream_chunks_per_s(None) == 800.0
     assert resolve_stream_chunks_per_s(0.0) == 0.0
     assert resolve_stream_chunks_per_s(250.0) == 250.0
+
+
+# --- one choice, read without the merge's task (deploy.ingress.OpenAIIngress._merge) ----------
+
+
+class _RecordingStream:
+    """A model server's stream of `items` (an Exception item is raised) that counts cancels."""
+
+    def __init__(self, items):
+        self._items = list(items)
+        self.cancels = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._items:
+            raise StopAsyncIteration
+        item = self._items.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancels += 1
+
+
+def _chunk(text: str, finished: bool = False):
+    from deploy.messages import GenerateChunk
+
+    return GenerateChunk([1], text, finished, "length" if finished else None)
+
+
+def _merged_one(stream, first, take: int | None = None):
+    """(what `_merge` yields for one choice, the stream's cancels): read whole, or `take` items
+    and then closed, as a reader that stops early (a disconnect, a failure) closes it."""
+    from types import SimpleNamespace
+
+    from deploy.ingress import OpenAIIngress
+
+    ingress = SimpleNamespace(_one=OpenAIIngress._one)
+
+    async def run():
+        merged = OpenAIIngress._merge(ingress, "cmpl-1", [stream], [first], [])
+        items = []
+        async for item in merged:
+            items.append(item)
+            if take is not None and len(items) == take:
+                await merged.aclose()
+                break
+        return items, stream.cancels  # the cancel, if any, came with the close
+
+    return asyncio.run(run())
+
+
+def test_one_choice_yields_each_item_in_order_and_needs_no_cancel_at_its_end():
+    chunks = [_chunk("a"), _chunk("b"), _chunk("c", finished=True)]
+    stream = _RecordingStream(chunks[1:])
+    assert _merged_one(stream, chunks[0]) == ([(0, c) for c in chunks], 0)
+    # A reader that stops at the last item (it has all it needs) cancels nothing either.
+    stream = _RecordingStream(chunks[1:])
+    assert _merged_one(stream, chunks[0], take=3) == ([(0, c) for c in chunks], 0)
+
+
+def test_one_choice_closed_early_cancels_its_stream_at_once():
+    chunks = [_chunk("a"), _chunk("b"), _chunk("c", finished=True)]
+    stream = _RecordingStream(chunks[1:])
+    assert _merged_one(stream, chunks[0], take=2) == ([(0, c) for c in chunks[:2]], 1)
+
+
+def test_one_choice_whose_stream_fails_ends_with_a_failure_and_a_cancel():
+    from deploy.messages import GenerateFailure
+
+    stream = _RecordingStream([RuntimeError("the replica died")])
+    items, cancels = _merged_one(stream, _chunk("a"))
+    assert [i for i, _ in items] == [0, 0] and items[0][1] == _chunk("a")
+    assert isinstance(items[1][1], GenerateFailure) and cancels == 1
