@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.block_manager import BlockManager
@@ -214,9 +215,12 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, wants_output: Callable[[Request], bool] | None = None) -> list[RequestOutput]:
         """Schedule, execute, update. A request that fails inside the step fails alone (its
-        output has finish_reason "error"); WorkerError only when the workers themselves failed."""
+        output has finish_reason "error"); WorkerError only when the workers themselves failed.
+        `wants_output(request)`, asked for each request the step changed: False leaves its
+        output for a later step (its next output then carries every token since the last);
+        None: an output for each (what offline callers get)."""
         started_s = time.perf_counter()
         scheduled = self.scheduler.schedule()
         # Told to the workers with the next step that runs (this one may schedule nothing).
@@ -233,7 +237,10 @@ class LLMEngine:
         for request in changed:
             if request.is_finished:
                 self._finished_ids.append(request.request_id)
-            outputs.append(self._output(request))
+            if wants_output is None or wants_output(request):
+                outputs.append(self._output(request))
+            else:
+                self.counters.observe(request)  # its tokens count now, its output comes later
         self.counters.step_time_s += time.perf_counter() - started_s
         return outputs
 
@@ -241,13 +248,8 @@ class LLMEngine:
         """Every output the engine yields is built here, and counted: a RequestOutput, or with
         `deltas_only` its deltas (`cluster.outputs.make_request_delta`), for a caller that keeps
         the cumulative fields itself (the engine in its own process)."""
-        if self.deltas_only:
-            delta = make_request_delta(request)
-            self.counters.observe_delta(delta)
-            return delta
-        out = make_request_output(request)
-        self.counters.observe(out)
-        return out
+        self.counters.observe(request)
+        return make_request_delta(request) if self.deltas_only else make_request_output(request)
 
     def _execute_isolating(self, step: StepInput) -> tuple[dict[str, SeqResult], dict[str, str]]:
         """Run the step; if its code raised on the ranks and every rank finished it and still

@@ -15,7 +15,9 @@ one output (every step since the last one, joined) per stream interval:
 streamed gets one output, when it finishes. When each step's tokens were produced goes with each
 output (`time.perf_counter()` stamps: one clock for every process of a host), for latency
 metrics. Pacing where the engine runs means that the engine's own process sends a message only
-when some request is due, not every step.
+when some request is due, not every step; and since the loop asks before each output is built
+(`Pacer.wants_output`), a step builds outputs only for the requests that are due: a request
+held back gains tokens in the engine's state alone, and its next output carries all of them.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class _Paced:
     next_send_s: float = 0.0
     text_sent: bool = False  # a stream's first text went: from then on it is paced
     pending_text: bool = False  # `pending` carries text
+    num_tokens_seen: int = 0  # the request's output tokens that reached `pace` so far
+    num_tokens_stamped: int = 0  # ... and the ones in `stamps` (or sent with earlier stamps)
 
 
 class Pacer:
@@ -115,6 +119,24 @@ class Pacer:
         paced = self._requests.pop(request_id, None)
         if paced is not None:
             self._num_streams -= paced.stream
+
+    def wants_output(self, request) -> bool:
+        """Whether the engine should build `request`'s output at this step (called for each
+        request the step changed, `cluster.request.Request`): finished, a stream whose first
+        text has not gone yet, or a stream whose interval is over. A request held back keeps
+        its tokens in the engine's state (its sent-markers stay), so its next output carries
+        them all, as `pace` would have joined them; this step's tokens are stamped here."""
+        paced = self._requests.get(request.request_id)
+        if paced is None:
+            return True  # not paced here: `pace` drops it
+        now_s = time.perf_counter()
+        num_tokens = len(request.output_token_ids)
+        if num_tokens > paced.num_tokens_stamped:
+            paced.stamps.append((num_tokens - paced.num_tokens_stamped, now_s))
+            paced.num_tokens_stamped = num_tokens
+        if request.status.is_finished or (paced.stream and not paced.text_sent):
+            return True
+        return paced.stream and now_s >= paced.next_send_s
 
     def pace(self, outputs: list) -> list[Delivery | Refusal]:
         """`outputs` (RequestOutputs or deltas, and refusals) of one turn -> what is due."""
@@ -142,8 +164,10 @@ class Pacer:
                 continue
             paced.pending.add(out)
             paced.pending_text = paced.pending_text or bool(new_text)
-            if new_token_ids:
-                paced.stamps.append((len(new_token_ids), now_s))
+            paced.num_tokens_seen += len(new_token_ids)
+            if paced.num_tokens_seen > paced.num_tokens_stamped:  # not seen by wants_output
+                paced.stamps.append((paced.num_tokens_seen - paced.num_tokens_stamped, now_s))
+                paced.num_tokens_stamped = paced.num_tokens_seen
             if paced.stream and not paced.text_sent:
                 send = paced.pending_text  # the first text goes at once
             else:
@@ -193,7 +217,7 @@ class EngineLoop:
                     outputs.append(refusal)
         if self.busy:
             try:
-                outputs += self.engine.step()
+                outputs += self.engine.step(self.pacer.wants_output)
             except Exception as e:  # a failed rank: fail every request, stay up
                 logger.exception("engine step failed")
                 self.dead = f"{type(e).__name__}: {e}"

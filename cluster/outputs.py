@@ -164,8 +164,10 @@ class SpecDecodeStats:
 
 @dataclass
 class EngineCounters:
-    """What the engine did since it started, counted as it happens (every output the engine
-    yields passes through `observe`), so aborted and failed requests count too. MTP rounds are
+    """What the engine did since it started, counted as it happens (every request a step
+    changes and every output the engine builds passes through `observe`, which counts from the
+    request's own state, so a request whose output waits is counted all the same), so aborted
+    and failed requests count too. MTP rounds are
     counted by the scheduler at each step (`Scheduler.spec_stats`)."""
 
     num_prompt_tokens: int = 0  # of requests that produced their first token
@@ -175,29 +177,19 @@ class EngineCounters:
     num_prefill_steps: int = 0  # of them, steps that carried a prompt (a chunk of one)
     step_time_s: float = 0.0  # wall time inside those steps: schedule, execute, outputs
 
-    def observe(self, out: RequestOutput) -> None:
-        first = bool(out.new_token_ids) and len(out.token_ids) == len(out.new_token_ids)
-        self._count(
-            first, out.num_prompt_tokens, len(out.new_token_ids), out.finished, out.finish_reason
-        )
-
-    def observe_delta(self, delta: tuple) -> None:
-        """`observe` for a `make_request_delta` tuple."""
-        d = Delta
-        self._count(
-            delta[d.IS_FIRST],
-            delta[d.NUM_PROMPT_TOKENS],
-            len(delta[d.NEW_TOKEN_IDS]),
-            delta[d.FINISHED],
-            delta[d.FINISH_REASON],
-        )
-
-    def _count(self, first: bool, num_prompt: int, num_new: int, finished: bool, reason) -> None:
-        if first:
-            self.num_prompt_tokens += num_prompt  # its first tokens: prefill done
-        self.num_generation_tokens += num_new
-        if finished:
-            reason = reason or "unknown"
+    def observe(self, request: Request) -> None:
+        """Count what `request` gained since it was last observed (its tokens, its prompt's
+        once its first token came, its finish once). Called for every request a step changes
+        and every output built, whether or not an output goes with it."""
+        num_new = len(request.output_token_ids) - request.num_counted_tokens
+        if num_new > 0:
+            if request.num_counted_tokens == 0:
+                self.num_prompt_tokens += len(request.prompt_token_ids)  # prefill done
+            self.num_generation_tokens += num_new
+            request.num_counted_tokens += num_new
+        if request.status.is_finished and not request.finish_counted:
+            request.finish_counted = True
+            reason = request.finish_reason or "unknown"
             self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
 
 

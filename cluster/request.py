@@ -96,6 +96,9 @@ class Request:
     # Streaming markers, advanced by `cluster.outputs.make_request_output`.
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    # What `cluster.outputs.EngineCounters` has counted of this request.
+    num_counted_tokens: int = 0
+    finish_counted: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -59,3 +59,68 @@ def test_a_request_not_streamed_gets_one_output():
     assert pacer.pace([_delta("w", 7, "x", first=True)]) == []
     [(_, whole, _)] = pacer.pace([_delta("w", 8, "y", finished=True)])
     assert whole[Delta.NEW_TEXT] == "xy"
+
+
+def _offline(tiny_model_dir, prompt, params):
+    from cluster.llm import LLM
+
+    return LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32").generate([prompt], params)[0]
+
+
+def test_the_loop_builds_an_output_only_when_it_is_due(tiny_model_dir):
+    """Held back (a request not streamed; a paced stream between its intervals), a request's
+    output is not built at all: its sent-markers stay while its tokens grow, the engine's
+    counters still count every token at every step, and the output it gets at last carries
+    every token and character since the previous one, with a stop string cut as offline."""
+    from cluster.config import EngineConfig
+    from cluster.engine import LLMEngine
+    from cluster.engine_loop import Add, EngineLoop
+    from cluster.sampling_params import SamplingParams
+
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = _offline(tiny_model_dir, prompt, free)
+    # A stop string from the middle of the free-running text: the run must cut there.
+    stop = expected.text[len(expected.text) // 2 :][:3]
+    stopped = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    expected_stopped = _offline(tiny_model_dir, prompt, stopped)
+    assert len(expected_stopped.text) < len(expected.text)
+
+    engine = LLMEngine(
+        EngineConfig(model=tiny_model_dir, num_draft_tokens=0, dtype="float32"),
+        deltas_only=True,
+    )
+    loop = EngineLoop(engine, stream_chunks_per_s=1e-3)  # after its first text, 1 per 1000 s
+    commands = [
+        Add("whole", prompt, free, stream=False),
+        Add("stream", prompt, free, stream=True),
+        Add("stopped", prompt, stopped, stream=True),
+    ]
+    got: dict[str, list] = {"whole": [], "stream": [], "stopped": []}
+    requests: dict = {}  # request id -> Request, kept past its end
+    num_turns = 0
+    while commands or loop.busy:
+        due, _ = loop.turn(commands)
+        commands = []
+        num_turns += 1
+        requests.update((r.request_id, r) for r in engine.scheduler.running)
+        for request_id, delta, _ in due:
+            got[request_id].append(delta)
+        assert engine.counters.num_generation_tokens == sum(
+            len(r.output_token_ids) for r in requests.values()
+        )
+        whole, stream = requests["whole"], requests["stream"]
+        if not whole.is_finished:
+            assert whole.output_token_ids and whole.num_sent_tokens == 0  # nothing built yet
+        if not stream.is_finished:
+            assert stream.num_sent_tokens == 1  # only its first output was built
+
+    assert num_turns > 10
+    assert len(got["whole"]) == 1 and len(got["stream"]) == 2
+    for request_id, want in (("whole", expected), ("stream", expected)):
+        assert [t for d in got[request_id] for t in d[Delta.NEW_TOKEN_IDS]] == want.token_ids
+        assert "".join(d[Delta.NEW_TEXT] for d in got[request_id]) == want.text
+    assert "".join(d[Delta.NEW_TEXT] for d in got["stopped"]) == expected_stopped.text
+    assert [t for d in got["stopped"] for t in d[Delta.NEW_TOKEN_IDS]] == (
+        expected_stopped.token_ids
+    )
