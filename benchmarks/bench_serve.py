@@ -12,7 +12,9 @@ completions of exactly `--max-tokens` tokens (ignore_eos) on token-id prompts, `
 concurrency, --min-requests)` requests in all:
 
   offline  `LLMEngine.step()` driven in this process, a new request added the moment one finishes
-           (what `LLM.generate` runs, with the clients' closed loop and no transport at all);
+           (what `LLM.generate` runs, with the clients' closed loop and no transport at all),
+           building a request's output at its first token and at its end only, as the served
+           step loop builds only the outputs it sends (so no inter-token latency offline);
   stream   `POST /v1/completions` with `stream: true` through Serve's HTTP proxy, the ingress and
            the model server (what `mtpserve serve` deploys), over real HTTP on loopback;
   full     the same, not streamed.
@@ -26,7 +28,7 @@ minute apart. With `--tp` above 1 (the two engines would need twice the GPUs), o
 passes over the levels again; ratios pair each row with the offline row of its pass. Each path
 gets one untimed burst first (warm-up). Columns: output tokens/s over the level's wall time, its
 ratio to offline at the same concurrency, time to first token (stream: first text chunk;
-offline: first step output with a token) and inter-token latency (gap between a request's
+offline: first step output with a token) and inter-token latency (served: gap between a request's
 consecutive outputs that carried text; an MTP round's tokens, and a paced stream's steps, arrive
 together) at p50/p99, and request latency p50. A second table says where the CPU went: each
 process's CPU milliseconds per request during the level (Linux), the replica, the engine process,
@@ -334,7 +336,7 @@ def run_offline(engine, prompts, concurrency: int, num_requests: int, max_tokens
     result = LevelResult("offline", concurrency)
     to_send = deque(range(num_requests))
     added_s: dict[str, float] = {}
-    last_s: dict[str, float] = {}
+    first_seen: set[str] = set()  # requests whose first token came
     prompt_of: dict[str, int] = {}
     started = time.perf_counter()
     while to_send or engine.has_unfinished:
@@ -346,26 +348,30 @@ def run_offline(engine, prompts, concurrency: int, num_requests: int, max_tokens
             engine.add_request(prompts[prompt_of[request_id]], params, request_id)
             result.num_requests += 1
         step_started = time.perf_counter()
-        outputs = engine.step()
+        outputs = engine.step(_first_or_last)
         now = time.perf_counter()
         if result.slowest_step_s is None or now - step_started > result.slowest_step_s:
             result.slowest_step_s = now - step_started
             result.slowest_step_outputs = len(outputs)
         for out in outputs:
             rid = out.request_id
-            if out.new_token_ids:
-                if rid in last_s:
-                    result.itl_s.append(now - last_s[rid])
-                else:
-                    result.ttft_s.append(now - added_s[rid])
-                last_s[rid] = now
+            if out.new_token_ids and rid not in first_seen:
+                result.ttft_s.append(now - added_s[rid])
+                first_seen.add(rid)
             if out.finished:
                 result.num_output_tokens += len(out.token_ids)
                 result.latency_s.append(now - added_s.pop(rid))
-                last_s.pop(rid, None)
+                first_seen.discard(rid)
                 result.record_text(prompt_of.pop(rid), out.text)
     result.wall_s = time.perf_counter() - started
     return result
+
+
+def _first_or_last(request) -> bool:
+    """The offline level's outputs: a request's first (its time to first token) and its last,
+    and none between, as `LLM.generate` and the served step loop build only what they send
+    (`Pacer.wants_output`). So its inter-token latency is not measured."""
+    return request.is_finished or request.num_sent_tokens == 0
 
 
 # --- HTTP clients ----------------------------------------------------------------------------

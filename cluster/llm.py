@@ -27,10 +27,15 @@ class LLM:
             ids.append(self.engine.add_request(token_ids, params))
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished:
-            for out in self.engine.step():
+            # Only the last output of each request is kept: none is built before it.
+            for out in self.engine.step(_finished):
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
     def stats(self):
         return self.engine.stats()
+
+
+def _finished(request) -> bool:
+    return request.is_finished
