@@ -27,6 +27,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()  # client cancelled
     FINISHED_ERROR = enum.auto()  # the engine failed this request (never used for bad input)
 
+    # Members are singletons compared by identity: hash them by identity too, in C, instead of
+    # Enum's `hash(self._name_)` in Python (looked up per request per step: `is_finished`).
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in _FINISH_REASONS

@@ -349,11 +349,13 @@ class Scheduler:
                 break
             start = request.num_computed_tokens
             num_slots = start + 1 + num_drafts + self._num_lookahead_slots
-            if not self._make_room(request, num_slots, scheduled_ids, output):
-                self._preempt(request, output)
-                blocked_on_kv = True
-                continue
-            self.block_manager.allocate(request, num_slots)
+            # Most decode steps fit the blocks the request holds: nothing to make room for.
+            if self.block_manager.num_new_blocks_needed(request, num_slots):
+                if not self._make_room(request, num_slots, scheduled_ids, output):
+                    self._preempt(request, output)
+                    blocked_on_kv = True
+                    continue
+                self.block_manager.allocate(request, num_slots)
             token_ids = [request.last_token_id] + request.draft_token_ids[:num_drafts]
             output.scheduled.append(
                 ScheduledRequest(
