@@ -11,7 +11,8 @@ told otherwise). Each concurrency level is `concurrency` closed-loop clients sen
 completions of exactly `--max-tokens` tokens (ignore_eos) on token-id prompts, `max(rounds x
 concurrency, --min-requests)` requests in all:
 
-  offline  `LLMEngine.step()` driven in this process, a new request added the moment one finishes
+  offline  `LLMEngine.step()` driven in a child process with no Ray in it (TP = 1; TP > 1 in
+           this one), a new request added the moment one finishes
            (what `LLM.generate` runs, with the clients' closed loop and no transport at all),
            building a request's output at its first token and at its end only, as the served
            step loop builds only the outputs it sends (so no inter-token latency offline);
@@ -32,7 +33,7 @@ offline: first step output with a token) and inter-token latency (served: gap be
 consecutive outputs that carried text; an MTP round's tokens, and a paced stream's steps, arrive
 together) at p50/p99, and request latency p50. A second table says where the CPU went: each
 process's CPU milliseconds per request during the level (Linux), the replica, the engine process,
-Serve's proxy and controller, Ray's core, the clients, this bench (offline: the engine itself).
+Serve's proxy and controller, Ray's core, the clients, this bench, the offline engine's.
 A third table sets the clients' mean TTFT and latency per request beside the replica's own
 (from its /metrics histograms over the level: from the handler's call into the engine to the
 first token and to the end), so what HTTP, Serve and the handler add shows apart from the
@@ -247,16 +248,17 @@ def engine_cpus_for(cpus: set[int], siblings_of, num_engines: int):
     return (engine_cpus, rest) if len(rest) >= 2 else None
 
 
-def pin_engines(client_pids: list[int], offline: bool) -> str:
-    """`--pin-engines`: the served engine's process, and the offline engine (this process's
-    main thread) when it runs beside it, each on a core of its own (with its hardware-thread
-    siblings left idle); every other serving process, the clients and this process's other
-    threads on the remaining CPUs. An experiment: whether the engines' host-bound steps move
-    with where the scheduler puts them next to the HTTP side's processes. -> what was done."""
+def pin_engines(client_pids: list[int], offline_pid: int | None) -> str:
+    """`--pin-engines`: the served engine's process, and the offline engine's (`offline_pid`:
+    its process, or this process's main thread when it runs here) when it runs beside it, each
+    on a core of its own (with its hardware-thread siblings left idle); every other serving
+    process, the clients and this process's other threads on the remaining CPUs. An experiment:
+    whether the engines' host-bound steps move with where the scheduler puts them next to the
+    HTTP side's processes. -> what was done."""
     if not hasattr(os, "sched_setaffinity"):
         return "--pin-engines: no CPU affinity on this platform; nothing pinned"
     cpus = set(os.sched_getaffinity(0))
-    chosen = engine_cpus_for(cpus, _core_siblings, 2 if offline else 1)
+    chosen = engine_cpus_for(cpus, _core_siblings, 1 if offline_pid is None else 2)
     if chosen is None:
         return f"--pin-engines: {len(cpus)} CPUs are too few; nothing pinned"
     engine_cpus, rest = chosen
@@ -266,7 +268,7 @@ def pin_engines(client_pids: list[int], offline: bool) -> str:
         label = _process_label(cmdline)
         if label == "engine process":
             engines.append(pid)
-        elif label is not None and pid != os.getpid():
+        elif label is not None and pid not in (os.getpid(), offline_pid):
             others.add(pid)
     if len(engines) != 1:
         return f"--pin-engines: {len(engines)} engine processes found; nothing pinned"
@@ -275,9 +277,12 @@ def pin_engines(client_pids: list[int], offline: bool) -> str:
     _pin(engines[0], {engine_cpus[0]})
     _pin(os.getpid(), rest)
     pinned = f"served engine process {engines[0]} on CPU {engine_cpus[0]}"
-    if offline:
+    if offline_pid == os.getpid():
         _pin(os.getpid(), {engine_cpus[1]}, main_thread_only=True)
         pinned += f", offline engine (this process's main thread) on CPU {engine_cpus[1]}"
+    elif offline_pid is not None:
+        _pin(offline_pid, {engine_cpus[1]})
+        pinned += f", offline engine process {offline_pid} on CPU {engine_cpus[1]}"
     return (
         f"pinned: {pinned}; {len(others)} other serving and client processes and this "
         f"process's other threads on CPUs {sorted(rest)} (the engines' core siblings idle)"
@@ -894,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
                     engine_options, prompts, levels, http_paths, args, deploy, port, direct, pools
                 )
                 if args.pin_engines:
-                    print(pin_engines(server.client_pids, engine is not None), flush=True)
+                    offline_pid = engine.pid if engine is not None else None
+                    print(pin_engines(server.client_pids, offline_pid), flush=True)
             for repeat in range(args.repeat):
                 for c in levels:
                     if engine is not None:
@@ -904,20 +910,20 @@ def main(argv: list[str] | None = None) -> int:
             for repeat in range(args.repeat if engine is not None else 0):
                 rows += [_offline_level(engine, prompts, c, repeat, args) for c in levels]
             if engine is not None:
-                _close_engine(engine)
+                engine.shutdown()
                 engine = None
             if http_paths:
                 server, first_ms = _serve(
                     engine_options, prompts, levels, http_paths, args, deploy, port, direct, pools
                 )
                 if args.pin_engines:
-                    print(pin_engines(server.client_pids, offline=False), flush=True)
+                    print(pin_engines(server.client_pids, None), flush=True)
             for repeat in range(args.repeat):
                 for p in http_paths:
                     rows += [_http_level(server, prompts, p, c, repeat, args) for c in levels]
     finally:
         if engine is not None:
-            _close_engine(engine)
+            engine.shutdown()
         for pool in pools:
             pool.shutdown()
         if args.url is None:
@@ -957,33 +963,131 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.num_errors == 0 for r in rows) else 1
 
 
-def _offline_engine(model, engine_options, prompts, levels, args):
+class _OfflineHere:
+    """The offline engine in this process: TP > 1, whose Ray ranks need this process's Ray."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.pid = os.getpid()
+
+    def run(self, prompts, concurrency: int, num_requests: int, max_tokens: int) -> LevelResult:
+        return run_offline(self.engine, prompts, concurrency, num_requests, max_tokens)
+
+    def stats(self) -> dict:
+        return dataclasses.asdict(self.engine.stats())
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        gc.collect()
+        _empty_device_cache()
+
+
+class _OfflineProcess:
+    """The offline engine (TP = 1) in a child process of its own, as `LLM.generate` runs in a
+    user's script: no Ray driver and no Serve handle in its process. In this one (the bench is
+    the Ray driver of the served app, whose threads take the interpreter lock) it ran slower:
+    on the 2-core box (null executor, 0.3 ms steps, 32 requests of 128 tokens) 24-27k tok/s
+    with the app up against 31-36k without it (BENCHMARKS.md, session 38)."""
+
+    def __init__(self, model: str, config: dict):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # no copy of this process's Ray or CUDA
+        self._conn, theirs = context.Pipe()
+        self._process = context.Process(
+            target=_offline_main, args=(theirs, model, config), name="offline-engine"
+        )
+        self._process.start()
+        theirs.close()
+        self.pid = self._process.pid
+        self._call("ready")
+
+    def _call(self, *command):
+        if command[0] != "ready":
+            self._conn.send(command)
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the offline engine exited ({self._process.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"the offline engine failed:\n{value}")
+        return value
+
+    def run(self, prompts, concurrency: int, num_requests: int, max_tokens: int) -> LevelResult:
+        return self._call("run", prompts, concurrency, num_requests, max_tokens)
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def shutdown(self) -> None:
+        try:
+            self._call("stop")
+        finally:
+            self._process.join(timeout=60)
+            if self._process.is_alive():
+                self._process.kill()
+            self._conn.close()
+
+
+def _offline_main(conn, model: str, config: dict) -> None:
+    """The child's side of `_OfflineProcess`: build the engine, then run what is asked."""
+    import traceback
+
     from cluster.config import EngineConfig
     from cluster.engine import LLMEngine
 
+    try:
+        engine = LLMEngine(EngineConfig(model=model, **config))
+    except BaseException:  # noqa: BLE001 - the parent raises it
+        conn.send(("failed", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    try:
+        while True:
+            command = conn.recv()
+            try:
+                if command[0] == "stop":
+                    conn.send(("ok", None))
+                    return
+                if command[0] == "stats":
+                    conn.send(("ok", dataclasses.asdict(engine.stats())))
+                else:  # ("run", prompts, concurrency, num_requests, max_tokens)
+                    conn.send(("ok", run_offline(engine, *command[1:])))
+            except Exception:  # noqa: BLE001 - the parent raises it
+                conn.send(("failed", traceback.format_exc()))
+    finally:
+        engine.shutdown()
+
+
+def _offline_engine(model, engine_options, prompts, levels, args):
     config = {k: v for k, v in engine_options.items() if k != "model"}
     if args.tp > 1:
+        from cluster.config import EngineConfig
+        from cluster.engine import LLMEngine
+
         config["executor"] = "ray"
-    engine = LLMEngine(EngineConfig(model=model, **config))
+        offline = _OfflineHere(LLMEngine(EngineConfig(model=model, **config)))
+    else:
+        offline = _OfflineProcess(model, config)
     # The engine's own first requests after it is built, one at a time as the server's are
     # timed: what a slow first request owes to the device or the engine rather than the server.
-    steps_before = step_counts(dataclasses.asdict(engine.stats()))
-    first = run_offline(engine, prompts, 1, 10, args.max_tokens)
-    steps_between(steps_before, step_counts(dataclasses.asdict(engine.stats())), first)
+    steps_before = step_counts(offline.stats())
+    first = offline.run(prompts, 1, 10, args.max_tokens)
+    steps_between(steps_before, step_counts(offline.stats()), first)
     first_ms = [s * 1e3 for s in first.latency_s]
     print(first_requests_line("offline", first), flush=True)
-    run_offline(engine, prompts, max(levels), max(levels), min(args.max_tokens, 8))  # warm-up
-    return engine, first_ms
+    offline.run(prompts, max(levels), max(levels), min(args.max_tokens, 8))  # warm-up
+    return offline, first_ms
 
 
-def _offline_level(engine, prompts, c: int, repeat: int, args) -> LevelResult:
+def _offline_level(offline, prompts, c: int, repeat: int, args) -> LevelResult:
     n = num_requests_for(c, args.rounds, args.min_requests)
-    named = {os.getpid(): "bench (offline engine)"}
+    named = {offline.pid: "bench (offline engine)"}
     before = process_cpu_s(named)
-    steps_before = step_counts(dataclasses.asdict(engine.stats()))
-    row = run_offline(engine, prompts, c, n, args.max_tokens)
+    steps_before = step_counts(offline.stats())
+    row = offline.run(prompts, c, n, args.max_tokens)
     row.cpu_s = cpu_used(before, process_cpu_s(named))
-    steps_between(steps_before, step_counts(dataclasses.asdict(engine.stats())), row)
+    steps_between(steps_before, step_counts(offline.stats()), row)
     row.repeat = repeat
     print(
         f"  offline c={c}: {row.tokens_per_s:.0f} tok/s, slowest step "
@@ -991,12 +1095,6 @@ def _offline_level(engine, prompts, c: int, repeat: int, args) -> LevelResult:
         flush=True,
     )
     return row
-
-
-def _close_engine(engine) -> None:
-    engine.shutdown()
-    gc.collect()
-    _empty_device_cache()
 
 
 def _run_http_sync(*args, **kwargs) -> LevelResult:
