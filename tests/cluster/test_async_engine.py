@@ -192,10 +192,15 @@ def test_queue_past_max_queued_requests_is_overload(tiny_model_dir, own_process)
     finally:
         stats = engine.stats()
         asyncio.run(engine.shutdown())
-    # q0 and q1 always fit (2 may wait); q3 never does; q2 fits only if the loop had already
-    # started q0 when it arrived.
+    # q0 and q1 always fit (2 may wait). q2 fits only if the loop had already started q0 when
+    # it arrived, and then q3 finds q1 and q2 waiting; if q2 came first, q3 fits only if the loop
+    # started q0 between the two (the commands reached it in two turns). Never both.
     refused = [isinstance(r, EngineOverloadedError) for r in results]
-    assert refused in ([False, False, True, True], [False, False, False, True])
+    assert refused in (
+        [False, False, True, True],
+        [False, False, False, True],
+        [False, False, True, False],
+    )
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
