@@ -341,7 +341,6 @@ def run_offline(engine, prompts, concurrency: int, num_requests: int, max_tokens
     result = LevelResult("offline", concurrency)
     to_send = deque(range(num_requests))
     added_s: dict[str, float] = {}
-    first_seen: set[str] = set()  # requests whose first token came
     prompt_of: dict[str, int] = {}
     started = time.perf_counter()
     while to_send or engine.has_unfinished:
@@ -360,13 +359,12 @@ def run_offline(engine, prompts, concurrency: int, num_requests: int, max_tokens
             result.slowest_step_outputs = len(outputs)
         for out in outputs:
             rid = out.request_id
-            if out.new_token_ids and rid not in first_seen:
+            # The request's first tokens: every token so far is new (`_first_or_last`).
+            if out.new_token_ids and len(out.new_token_ids) == len(out.token_ids):
                 result.ttft_s.append(now - added_s[rid])
-                first_seen.add(rid)
             if out.finished:
                 result.num_output_tokens += len(out.token_ids)
                 result.latency_s.append(now - added_s.pop(rid))
-                first_seen.discard(rid)
                 result.record_text(prompt_of.pop(rid), out.text)
     result.wall_s = time.perf_counter() - started
     return result
