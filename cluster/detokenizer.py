@@ -4,12 +4,16 @@ Decoding token by token is wrong for byte-level BPE: one character (an accented 
 emoji) can span several tokens, and decoding a prefix that ends inside it yields U+FFFD. So
 `IncrementalDetokenizer` decodes a short window of recent tokens and only emits text once the
 window decodes to something that does not end in U+FFFD (the prefix-offset / read-offset
-technique of HF text-generation-inference and vLLM).
+technique of HF text-generation-inference and vLLM). With a `tokenizers.Tokenizer` behind it,
+`tokenizers`' own `DecodeStream` keeps that window in Rust (one call a token, not two decodes).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -47,6 +51,13 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # start of the context window (already-emitted tokens)
         self._read_offset = len(self._token_ids)  # first token whose text is not yet emitted
         self._text = ""
+        self._stream: DecodeStream | None = None
+        if isinstance(self._tokenizer, Tokenizer):
+            self._stream = DecodeStream(
+                ids=self._token_ids, skip_special_tokens=skip_special_tokens
+            )
+            self._recent = list(self._token_ids)  # the stream's ids, for a fallback to windows
+            self._pending = 0  # of them, the last ones whose text has not come out yet
 
     @property
     def text(self) -> str:
@@ -58,6 +69,21 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str:
         """Add one output token; return the newly stable text ("" while a character is open)."""
+        if self._stream is not None:
+            try:
+                new_text = self._stream.step(self._tokenizer, token_id)
+            except Exception:  # a window's text did not continue its prefix's text
+                self._fall_back_to_windows()
+            else:
+                self._recent.append(token_id)
+                if new_text is None:
+                    self._pending += 1
+                    return ""
+                self._pending = 0
+                if len(self._recent) > 256:
+                    del self._recent[:-INITIAL_CONTEXT_TOKENS]
+                self._text += new_text
+                return new_text
         self._token_ids.append(token_id)
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         window_text = self._decode(self._token_ids[self._prefix_offset :])
@@ -72,6 +98,15 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)
         self._text += new_text
         return new_text
+
+    def _fall_back_to_windows(self) -> None:
+        """The rest of this request decoded by the windows kept here, from the stream's state:
+        a few emitted ids as context, then the ids whose text has not come out."""
+        self._stream = None
+        pending = self._pending
+        self._token_ids = self._recent[-(pending + INITIAL_CONTEXT_TOKENS) :]
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids) - pending
 
 
 def find_stop_string(

@@ -76,6 +76,49 @@ def test_multibyte_utf8_comes_out_whole(tokenizer: Tokenizer) -> None:
     assert deltas[first : first + 3] == ["", "", ""]
 
 
+class _DecodeOnly:
+    """A tokenizer that is no `tokenizers.Tokenizer` (a slow one, say): only `decode`."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.decode = tokenizer.decode
+
+
+class _RaisingStream:
+    def step(self, tokenizer, token_id):
+        raise Exception("InvalidPrefix")  # what DecodeStream raises, as a plain Exception
+
+
+COMPLETION = " héllo 😀 wörld, naïve café 👍🏽 the lazy dog"
+
+
+def test_the_windows_and_the_stream_give_the_same_deltas(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("say").ids
+    output_ids = tokenizer.encode(COMPLETION).ids
+    streamed = IncrementalDetokenizer(tokenizer, prompt)
+    windows = IncrementalDetokenizer(_DecodeOnly(tokenizer), prompt)
+    assert streamed._stream is not None and windows._stream is None
+    assert [streamed.append(t) for t in output_ids] == [windows.append(t) for t in output_ids]
+    assert streamed.text == COMPLETION
+
+
+def test_a_stream_that_fails_hands_on_to_the_windows_losing_nothing(tokenizer: Tokenizer) -> None:
+    """DecodeStream raises where a window's text does not continue its prefix's; the request
+    then goes on with the windows from the stream's state, at any token (one inside an open
+    multi-byte character included): no text lost or repeated."""
+    prompt = tokenizer.encode("say").ids
+    output_ids = tokenizer.encode(COMPLETION).ids
+    for fail_at in range(len(output_ids)):
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        deltas = []
+        for i, token_id in enumerate(output_ids):
+            if i == fail_at:
+                detok._stream = _RaisingStream()
+            deltas.append(detok.append(token_id))
+        assert detok._stream is None
+        assert "".join(deltas) == detok.text == COMPLETION, fail_at
+        assert all("\ufffd" not in d for d in deltas)
+
+
 def test_transformers_fast_tokenizer_wrapper(tokenizer: Tokenizer) -> None:
     transformers = pytest.importorskip("transformers")
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
