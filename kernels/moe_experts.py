@@ -71,6 +71,51 @@ def dequantize_expert_reference(
     return torch.cat([gate, up]).to(dtype), down.to(dtype)
 
 
+@dataclass(frozen=True)
+class SharedExpert:
+    """An expert every token takes with weight 1 (DeepSeek's shared expert), laid out as one of
+    the routed experts: w13 [2 * I, H] ([gate | up]), w2 [H, I]; FP8 with the linears' scale
+    grids, w13_scale [2 * I / 128, H / 128] (gate's block rows, then up's: I a multiple of 128)
+    and w2_scale [H / 128, I / 128]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    pow2_scales: bool = False  # every scale a power of two (see POW2_SCALES)
+
+    def as_routed(self) -> tuple[torch.Tensor, ...]:
+        """(w13 [1, 2I, H], w2 [1, H, I], w13_scale [1, 2, I/128, H/128] or None, w2_scale
+        [1, H/128, I/128] or None): the same memory in the routed experts' layout."""
+        w13, w2 = self.w13.unsqueeze(0), self.w2.unsqueeze(0)
+        if self.w13_scale is None or self.w2_scale is None:
+            return w13, w2, None, None
+        blocks_i2, blocks_h = self.w13_scale.shape
+        w13_scale = self.w13_scale.view(1, 2, blocks_i2 // 2, blocks_h)
+        return w13, w2, w13_scale, self.w2_scale.unsqueeze(0)
+
+
+def check_shared_expert(shared: SharedExpert, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """The shared expert has the routed experts' shapes and dtype (and, FP8, whole gate and up
+    scale blocks)."""
+    if shared.w13.shape != w13.shape[1:] or shared.w2.shape != w2.shape[1:]:
+        raise ValueError(
+            f"shared expert {tuple(shared.w13.shape)} / {tuple(shared.w2.shape)} is not a routed "
+            f"expert's {tuple(w13.shape[1:])} / {tuple(w2.shape[1:])}"
+        )
+    if shared.w13.dtype != w13.dtype or shared.w2.dtype != w2.dtype:
+        raise TypeError(f"shared expert {shared.w13.dtype}, routed experts {w13.dtype}")
+    if (shared.w13_scale is None) != (shared.w2_scale is None):
+        raise ValueError("the shared expert needs both scales or neither")
+    if shared.w13_scale is not None:
+        if (shared.w13.shape[0] // 2) % FP8_BLOCK:
+            raise ValueError(
+                f"the shared expert's intermediate {shared.w13.shape[0] // 2} cuts its "
+                f"[gate | up] scale blocks"
+            )
+        check_fp8_scales(*shared.as_routed())
+
+
 def _sum_over_experts(
     x: torch.Tensor,
     num_local_experts: int,
@@ -78,10 +123,12 @@ def _sum_over_experts(
     topk_ids: torch.Tensor,
     first_expert: int,
     expert_forward: Callable[[int, torch.Tensor], torch.Tensor],
+    shared_forward: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_forward(ids[t, k], token rows) over the experts held
-    here, in fp32, rounded once to x's dtype. expert_forward(e, token [n]) -> [n, hidden] in x's
-    dtype (the expert's output as its GEMM rounds it)."""
+    here, plus shared_forward() (every token's, weight 1) when given, in fp32, rounded once to
+    x's dtype. expert_forward(e, token [n]) -> [n, hidden] in x's dtype (the expert's output as
+    its GEMM rounds it); shared_forward() -> [T, hidden] likewise."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     local_ids = topk_ids.long() - first_expert
     for e in local_ids.unique().tolist():
@@ -90,6 +137,8 @@ def _sum_over_experts(
         token, slot = (local_ids == e).nonzero(as_tuple=True)
         y = expert_forward(e, token).float() * topk_weights[token, slot, None].float()
         out.index_add_(0, token, y)
+    if shared_forward is not None:
+        out += shared_forward().float()
     return out.to(x.dtype)
 
 
@@ -104,8 +153,10 @@ def grouped_moe_reference(
     w2_scale: torch.Tensor | None = None,
     pow2_scales: bool = False,
     num_experts: int | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]) over the experts held here.
+    """sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]) over the experts held here, plus the
+    shared expert's output (weight 1) in the same fp32 sum when `shared` is given.
     (`pow2_scales` and `num_experts`, the kernels' hints, change nothing here.)
 
     x [T, hidden], w13 [E_local, 2 * I, hidden] ([gate | up]), w2 [E_local, hidden, I].
@@ -124,7 +175,26 @@ def grouped_moe_reference(
             w13_e, w2_e = w13[e], w2[e]
         return silu_and_mul_reference(x[token] @ w13_e.t()) @ w2_e.t()
 
-    return _sum_over_experts(x, w13.shape[0], topk_weights, topk_ids, first_expert, expert_forward)
+    shared_forward = None
+    if shared is not None:
+        check_shared_expert(shared, w13, w2)
+        shared_w13, shared_w2, shared_w13_scale, shared_w2_scale = shared.as_routed()
+
+        def shared_forward() -> torch.Tensor:
+            return grouped_moe_reference(
+                x,
+                shared_w13,
+                shared_w2,
+                torch.ones(x.shape[0], 1, device=x.device),
+                torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device),
+                0,
+                shared_w13_scale,
+                shared_w2_scale,
+            )
+
+    return _sum_over_experts(
+        x, w13.shape[0], topk_weights, topk_ids, first_expert, expert_forward, shared_forward
+    )
 
 
 def grouped_moe_w8a8_reference(
@@ -666,16 +736,21 @@ def _moe_gemv_gate_up_kernel(
     ids_ptr,
     w13_ptr,
     w13_scale_ptr,
+    shared_w13_ptr,
+    shared_scale_ptr,
     h_ptr,
     w13_expert_stride,
     w13_row_stride,
     scale_expert_stride,
     scale_part_stride,
     scale_row_stride,
+    shared_scale_part_stride,
+    shared_scale_row_stride,
     hidden,
     intermediate,
     num_local_experts,
     first_expert,
+    TOP_K: tl.constexpr,  # the routed pairs; a program past them is the shared expert's
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -687,17 +762,21 @@ def _moe_gemv_gate_up_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the down kernel may come in and wait
-    expert = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
-    if (expert >= 0) & (expert < num_local_experts):
-        e = expert.to(tl.int64)
-        w_gate = w13_ptr + e * w13_expert_stride + cols[:, None].to(tl.int64) * w13_row_stride
+    # The shared expert's rows are a routed expert's (the same strides); its scales are the
+    # merged linear's grid, up's block rows after gate's.
+    routed = pair < TOP_K
+    expert = tl.load(ids_ptr + pair, mask=routed, other=0).to(tl.int32) - first_expert
+    held = ((expert >= 0) & (expert < num_local_experts)) | ~routed
+    e = tl.maximum(expert, 0).to(tl.int64)
+    w_expert = tl.where(routed, w13_ptr + e * w13_expert_stride, shared_w13_ptr)
+    s_expert = tl.where(routed, w13_scale_ptr + e * scale_expert_stride, shared_scale_ptr)
+    part_stride = tl.where(routed, scale_part_stride, shared_scale_part_stride)
+    row_stride = tl.where(routed, scale_row_stride, shared_scale_row_stride)
+    if held:
+        w_gate = w_expert + cols[:, None].to(tl.int64) * w13_row_stride
         w_up = w_gate + intermediate * w13_row_stride
-        s_gate = (
-            w13_scale_ptr
-            + e * scale_expert_stride
-            + (cols // _SCALE_BLOCK)[:, None] * scale_row_stride
-        )
-        s_up = s_gate + scale_part_stride
+        s_gate = s_expert + (cols // _SCALE_BLOCK)[:, None] * row_stride
+        s_up = s_gate + part_stride
         acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -719,6 +798,8 @@ def _moe_gemv_down_kernel(
     topk_weights_ptr,
     w2_ptr,
     w2_scale_ptr,
+    shared_w2_ptr,
+    shared_scale_ptr,
     out_ptr,
     partial_ptr,
     counter_ptr,
@@ -726,14 +807,16 @@ def _moe_gemv_down_kernel(
     w2_row_stride,
     scale_expert_stride,
     scale_row_stride,
+    shared_scale_row_stride,
     hidden,
     intermediate,
     num_local_experts,
     first_expert,
-    TOP_K: tl.constexpr,
+    TOP_K: tl.constexpr,  # the routed pairs; a program past them is the shared expert's
+    NUM_PAIRS: tl.constexpr,  # TOP_K, and 1 more with the shared expert
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,  # top_k > 1: the pairs summed
+    SPLIT_K: tl.constexpr,  # more than one pair: the pairs summed
     USE_PDL: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # of hidden
@@ -743,23 +826,25 @@ def _moe_gemv_down_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    expert = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+    routed = pair < TOP_K
+    expert = tl.load(ids_ptr + pair, mask=routed, other=0).to(tl.int32) - first_expert
+    held = ((expert >= 0) & (expert < num_local_experts)) | ~routed
+    e = tl.maximum(expert, 0).to(tl.int64)
+    w_expert = tl.where(routed, w2_ptr + e * w2_expert_stride, shared_w2_ptr)
+    s_expert = tl.where(routed, w2_scale_ptr + e * scale_expert_stride, shared_scale_ptr)
+    row_stride = tl.where(routed, scale_row_stride, shared_scale_row_stride)
+    # The shared expert's weight is 1.
+    weight = tl.load(topk_weights_ptr + pair, mask=routed, other=1.0).to(tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # a pair held elsewhere adds 0
-    if (expert >= 0) & (expert < num_local_experts):
-        e = expert.to(tl.int64)
-        w_rows = w2_ptr + e * w2_expert_stride + cols[:, None].to(tl.int64) * w2_row_stride
-        s_rows = (
-            w2_scale_ptr
-            + e * scale_expert_stride
-            + (cols // _SCALE_BLOCK)[:, None] * scale_row_stride
-        )
+    if held:
+        w_rows = w_expert + cols[:, None].to(tl.int64) * w2_row_stride
+        s_rows = s_expert + (cols // _SCALE_BLOCK)[:, None] * row_stride
         h_row = h_ptr + pair * intermediate
         for k0 in range(0, intermediate, BLOCK_K):
             w, scale = gemv_weights(
                 w_rows, s_rows, k0, intermediate, col_mask, BLOCK_K, _SCALE_BLOCK
             )
             acc += gemv_step(w, scale, h_row, k0, intermediate, BLOCK_N, BLOCK_K, _SCALE_BLOCK)
-        weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
         acc = acc.to(dtype).to(tl.float32) * weight  # as `_moe_down_kernel` weighs a pair
     store_split_k(
         acc,
@@ -770,7 +855,7 @@ def _moe_gemv_down_kernel(
         col_mask,
         tl.program_id(0),
         pair,
-        TOP_K,
+        NUM_PAIRS,
         hidden,
         SPLIT_K,
     )
@@ -786,8 +871,10 @@ def _grouped_moe_one_token(
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
     config: MoeGemvConfig,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
-    """The one-token kernels (FP8 experts, power-of-two scales): x [1, hidden] -> [1, hidden]."""
+    """The one-token kernels (FP8 experts, power-of-two scales): x [1, hidden] -> [1, hidden];
+    the shared expert, when given, is one more pair (the last, weight 1) of the same launches."""
     num_local_experts, two_i, hidden = w13.shape
     intermediate = two_i // 2
     top_k = topk_ids.shape[1]
@@ -795,44 +882,63 @@ def _grouped_moe_one_token(
         raise ValueError(f"block_k {config.block_k} is not a multiple of {FP8_BLOCK}")
     if w13_scale.stride(-1) != 1 or w2_scale.stride(-1) != 1:
         raise ValueError("the one-token expert kernels read scale rows with stride 1")
+    if shared is None:  # never read: any tensors of the same dtypes
+        shared_w13, shared_w2, shared_w13_scale, shared_w2_scale = w13, w2, w13_scale, w2_scale
+        shared_part_stride = shared_row_stride = shared_w2_row_stride = 0
+    else:
+        shared_w13, shared_w2, shared_w13_scale, shared_w2_scale = shared.as_routed()
+        if shared_w13.stride()[1:] != w13.stride()[1:] or shared_w2.stride()[1:] != w2.stride()[1:]:
+            raise ValueError("the shared expert's rows must have the routed experts' strides")
+        if shared_w13_scale.stride(-1) != 1 or shared_w2_scale.stride(-1) != 1:
+            raise ValueError("the one-token expert kernels read scale rows with stride 1")
+        shared_part_stride, shared_row_stride = shared_w13_scale.stride()[1:3]
+        shared_w2_row_stride = shared_w2_scale.stride(1)
+    num_pairs = top_k + (shared is not None)
     device = x.device
-    h = torch.empty(top_k, intermediate, dtype=x.dtype, device=device)
+    h = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=device)
     out = torch.empty(1, hidden, dtype=x.dtype, device=device)
     gate_up_block_n = config.gate_up_block_n or config.block_n
     launch(
         _moe_gemv_gate_up_kernel,
-        (top_k, triton.cdiv(intermediate, gate_up_block_n)),
+        (num_pairs, triton.cdiv(intermediate, gate_up_block_n)),
         x,
         x,
         topk_ids,
         w13,
         w13_scale,
+        shared_w13,
+        shared_w13_scale,
         h,
         w13.stride(0),
         w13.stride(1),
         w13_scale.stride(0),
         w13_scale.stride(1),
         w13_scale.stride(2),
+        shared_part_stride,
+        shared_row_stride,
         hidden,
         intermediate,
         num_local_experts,
         first_expert,
+        TOP_K=top_k,
         BLOCK_N=gate_up_block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=1,
     )
     num_tiles = triton.cdiv(hidden, config.block_n)
-    partial, counters = split_k_workspace(out, top_k, num_tiles)
+    partial, counters = split_k_workspace(out, num_pairs, num_tiles)
     launch(
         _moe_gemv_down_kernel,
-        (num_tiles, top_k),
+        (num_tiles, num_pairs),
         x,
         h,
         topk_ids,
         topk_weights,
         w2,
         w2_scale,
+        shared_w2,
+        shared_w2_scale,
         out,
         partial,
         counters,
@@ -840,18 +946,42 @@ def _grouped_moe_one_token(
         w2.stride(1),
         w2_scale.stride(0),
         w2_scale.stride(1),
+        shared_w2_row_stride,
         hidden,
         intermediate,
         num_local_experts,
         first_expert,
         TOP_K=top_k,
+        NUM_PAIRS=num_pairs,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        SPLIT_K=top_k > 1,
+        SPLIT_K=num_pairs > 1,
         num_warps=config.num_warps,
         num_stages=1,
     )
     return out
+
+
+def one_token_takes_shared(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    pow2_scales: bool,
+    shared: SharedExpert,
+) -> bool:
+    """Whether `grouped_moe_triton` runs the shared expert inside the one-token kernels: one
+    token, FP8 experts and shared expert of the same shapes, every scale a power of two."""
+    return (
+        x.shape[0] == 1
+        and w13.dtype == FP8_DTYPE
+        and pow2_scales
+        and shared.pow2_scales
+        and shared.w13_scale is not None
+        and shared.w13.shape == w13.shape[1:]
+        and shared.w2.shape == w2.shape[1:]
+        and shared.w13.dtype == w13.dtype
+        and (shared.w13.shape[0] // 2) % FP8_BLOCK == 0
+    )
 
 
 def grouped_moe_triton(
@@ -866,13 +996,15 @@ def grouped_moe_triton(
     config: GroupedGemmConfig | MoeGemvConfig | None = None,
     pow2_scales: bool = False,
     num_experts: int | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """Triton twin of `grouped_moe_reference` (contiguous grouped layout); FP8 experts when
     w13_scale and w2_scale are given (dequantized in registers, activations stay in x's dtype).
     `pow2_scales`: the caller's promise that every scale is a power of two (see POW2_SCALES).
     `num_experts`: the routed experts over all ranks (picks the decode tile, `decode_config`).
     One token with FP8 experts and power-of-two scales takes the one-token kernels
-    (`ONE_TOKEN_CONFIG`) unless `config` says otherwise; a `MoeGemvConfig` takes only that."""
+    (`ONE_TOKEN_CONFIG`) unless `config` says otherwise; a `MoeGemvConfig` takes only that.
+    `shared` only there (`one_token_takes_shared`): the shared expert as one more pair."""
     device = x.device
     fp8 = w13_scale is not None or w2_scale is not None
     num_tokens, hidden, num_local_experts, intermediate, top_k = check_moe_args(
@@ -885,6 +1017,13 @@ def grouped_moe_triton(
     one_token = num_tokens == 1 and fp8 and pow2_scales
     if config is None and one_token:
         config = ONE_TOKEN_CONFIG
+    if shared is not None:
+        check_shared_expert(shared, w13, w2)
+        if not (isinstance(config, MoeGemvConfig) and shared.pow2_scales):
+            raise ValueError(
+                "a shared expert goes only with the one-token expert kernels, FP8 with "
+                "power-of-two scales (one_token_takes_shared)"
+            )
     if isinstance(config, MoeGemvConfig):
         if not one_token:
             raise ValueError(
@@ -893,7 +1032,7 @@ def grouped_moe_triton(
                 f"{'' if pow2_scales else ' without pow2_scales'}"
             )
         return _grouped_moe_one_token(
-            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, config
+            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, config, shared
         )
     num_pairs = num_tokens * top_k
     if config is None:

@@ -35,9 +35,11 @@ from kernels.indexer_fp8 import hadamard_rotate_reference, indexer_fp8_reference
 from kernels.linear_fp32 import linear_fp32_reference, linear_fp32_triton, warm_up_linear_fp32
 from kernels.moe_experts import DECODE_CONFIG as MOE_DECODE_CONFIG
 from kernels.moe_experts import (
+    SharedExpert,
     grouped_moe_deepgemm,
     grouped_moe_reference,
     grouped_moe_triton,
+    one_token_takes_shared,
     warm_up_grouped_layout,
 )
 from kernels.moe_experts_w8a8 import grouped_moe_w8a8_triton
@@ -296,8 +298,11 @@ def grouped_moe(
     w2_scale: torch.Tensor | None = None,
     pow2_scales: bool = False,
     num_experts: int | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """Routed experts; FP8 experts (e4m3, 128x128 block scales) when the scales are given.
+    `shared`: the shared expert too, as one more pair of weight 1 in the same sum, where
+    `moe_takes_shared` says so (the twin takes it always).
     `pow2_scales`: every scale is a power of two (`kernels.fp8.scales_are_powers_of_two`), which
     lets the w8a16 kernels scale partial products instead of weight elements. `num_experts`:
     the routed experts over all ranks (the w8a16 decode tile follows the rank's share).
@@ -311,16 +316,16 @@ def grouped_moe(
     fp8 = w13_scale is not None or w2_scale is not None
     if not use_triton(x.device):
         return grouped_moe_reference(
-            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale
+            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, shared=shared
         )
-    if fp8 and use_fp8_w8a8(x):
+    if shared is None and fp8 and use_fp8_w8a8(x):
         return grouped_moe_w8a8_triton(
             x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale
         )
     # FP8 experts skip DeepGEMM: its FP8 grouped GEMMs take FP8 activations with per-token 1x128
     # scales in its own TMA-aligned (on Blackwell packed UE8M0) layout, and one scale grid over
     # [gate | up] where we keep one per part; our Triton kernels take our layout.
-    if not fp8 and deepgemm.use_deepgemm(x):
+    if shared is None and not fp8 and deepgemm.use_deepgemm(x):
         return grouped_moe_deepgemm(
             x, w13, w2, topk_weights, topk_ids, first_expert, deepgemm.backend
         )
@@ -335,7 +340,17 @@ def grouped_moe(
         w2_scale,
         pow2_scales=pow2_scales,
         num_experts=num_experts,
+        shared=shared,
     )
+
+
+def moe_takes_shared(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pow2_scales: bool, shared: SharedExpert
+) -> bool:
+    """Whether `grouped_moe` runs this step's shared expert inside the routed experts' launches
+    (one token of FP8 experts on the GPU: `kernels.moe_experts.one_token_takes_shared`); where
+    not, the caller runs it as its own MLP. On CPU never, so the CPU's numbers stay the MLP's."""
+    return use_triton(x.device) and one_token_takes_shared(x, w13, w2, pow2_scales, shared)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

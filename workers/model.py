@@ -26,6 +26,7 @@ from kernels.fp8_mla_absorb import (
     absorb_q_dense,
     fp8_absorbable,
 )
+from kernels.moe_experts import SharedExpert
 from parallel.collectives import tp_all_reduce, tp_compute_on_one_rank
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import (
@@ -489,6 +490,11 @@ class MoE(nn.Module):
             c.routed_scaling_factor,
         )
         experts = self.experts
+        shared = self._shared_expert()
+        if shared is not None and not ops.moe_takes_shared(
+            x, experts.w13, experts.w2, experts.pow2_scales, shared
+        ):
+            shared = None
         routed = ops.grouped_moe(
             x,
             experts.w13,
@@ -500,9 +506,27 @@ class MoE(nn.Module):
             getattr(experts, "w2_scale_inv", None),
             pow2_scales=experts.pow2_scales,
             num_experts=c.n_routed_experts,
+            shared=shared,
         )
+        if shared is None:
+            routed = routed + self.shared_experts(x)
         # One all-reduce sums the shared expert's row-parallel partials and every rank's experts.
-        return tp_all_reduce(routed + self.shared_experts(x))
+        return tp_all_reduce(routed)
+
+    def _shared_expert(self) -> SharedExpert | None:
+        """The shared expert's FP8 weights as one more expert, for the routed experts' one-token
+        launches (None: bf16, or its shape is not this rank's routed experts')."""
+        mlp = self.shared_experts
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        if not (gate_up.is_fp8 and down.is_fp8):
+            return None
+        return SharedExpert(
+            gate_up.weight,
+            down.weight,
+            gate_up.weight_scale_inv,
+            down.weight_scale_inv,
+            gate_up.pow2_scales and down.pow2_scales,
+        )
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:

@@ -5,6 +5,8 @@ twins as the per-element path."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -30,8 +32,10 @@ from kernels.moe_experts import (
     ONE_TOKEN_CONFIG,
     PREFILL_CONFIG,
     MoeGemvConfig,
+    SharedExpert,
     grouped_moe_reference,
     grouped_moe_triton,
+    one_token_takes_shared,
 )
 from tests.kernels.conftest import DEVICE, DTYPES, assert_close, needs_triton
 from tests.kernels.test_moe_experts_fp8 import FP8_CASES, fp8_experts, routes
@@ -273,6 +277,112 @@ def test_one_token_expert_kernels_match_the_twin(
             assert torch.equal(moved, got)
 
 
+def _shared_from(w13, w2, w13_scale, w2_scale, expert: int) -> SharedExpert:
+    """Expert `expert` of a routed set as a shared expert, in the merged linears' layout."""
+    blocks_i, blocks_h = w13_scale.shape[2:]
+    return SharedExpert(
+        w13[expert],
+        w2[expert],
+        w13_scale[expert].reshape(2 * blocks_i, blocks_h),
+        w2_scale[expert],
+        pow2_scales=True,
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_local,first_expert,ids,config",
+    [
+        (3, 2, [3, 7, 4], MoeGemvConfig(32, 256, 4)),  # a pair held elsewhere
+        (4, 0, [2], ONE_TOKEN_CONFIG),  # top-1: the shared expert makes it a sum of two
+    ],
+)
+def test_one_token_kernels_run_the_shared_expert_as_one_more_pair(
+    dtype, num_local, first_expert, ids, config
+) -> None:
+    """The shared expert in the routed launches is exactly one more routed pair of weight 1 in
+    the last slot (the same bits as that expert appended to the routed ones), equals the twin
+    (routed and shared in one fp32 sum), and counts: without it the output is the routed one."""
+    hidden, intermediate = 300, 256  # whole gate and up scale blocks; partial edge blocks in H
+    w13, w2, w13_scale, w2_scale = _pow2_experts(num_local + 1, hidden, intermediate, len(ids))
+    shared = _shared_from(w13, w2, w13_scale, w2_scale, num_local)
+    routed = (w13[:num_local], w2[:num_local], w13_scale[:num_local], w2_scale[:num_local])
+    gen = torch.Generator().manual_seed(7)
+    topk_ids = torch.tensor([ids], dtype=torch.int32, device=DEVICE)
+    weights = (torch.rand(1, len(ids), generator=gen) + 0.5).to(DEVICE)
+    x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+
+    def run(experts, weights, ids, shared=None):
+        w13_, w2_, s13, s2 = experts
+        return grouped_moe_triton(
+            x,
+            w13_,
+            w2_,
+            weights,
+            ids,
+            first_expert,
+            s13,
+            s2,
+            config=config,
+            pow2_scales=True,
+            shared=shared,
+        )
+
+    got = run(routed, weights, topk_ids, shared)
+    # The shared expert appended as routed expert `num_local` (local id), weight 1, last slot.
+    appended_ids = torch.cat(
+        [topk_ids, torch.tensor([[first_expert + num_local]], dtype=torch.int32, device=DEVICE)], 1
+    )
+    appended_weights = torch.cat([weights, torch.ones(1, 1, device=DEVICE)], 1)
+    assert torch.equal(got, run((w13, w2, w13_scale, w2_scale), appended_weights, appended_ids))
+    expected = grouped_moe_reference(
+        x, *routed[:2], weights, topk_ids, first_expert, *routed[2:], shared=shared
+    )
+    assert_close(got, expected)
+    without = run(routed, weights, topk_ids)
+    assert (without.float() - got.float()).abs().max() > 0
+    # The twin's shared expert: the routed sum's fp32 plus the shared expert's output.
+    shared_alone = grouped_moe_reference(
+        x,
+        *shared.as_routed()[:2],
+        torch.ones(1, 1, device=DEVICE),
+        torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+        0,
+        *shared.as_routed()[2:],
+    )
+    assert_close(expected, (without.float() + shared_alone.float()).to(dtype), scale=2.0)
+    assert torch.equal(run(routed, weights, topk_ids, shared), got)
+
+
+@needs_triton
+def test_the_shared_expert_goes_only_where_the_one_token_kernels_run() -> None:
+    w13, w2, w13_scale, w2_scale = _pow2_experts(4, 300, 256, seed=5)
+    shared = _shared_from(w13, w2, w13_scale, w2_scale, 3)
+    routed = (w13[:3], w2[:3], w13_scale[:3], w2_scale[:3])
+    scales = dict(w13_scale=routed[2], w2_scale=routed[3])
+    one, two = (torch.randn(rows, 300).to(DEVICE) for rows in (1, 2))
+    ids1 = torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE)
+    ids2 = torch.tensor([[1, 2], [0, 1]], dtype=torch.int32, device=DEVICE)
+    w1, w2_ = torch.ones(1, 2, device=DEVICE), torch.ones(2, 2, device=DEVICE)
+    assert one_token_takes_shared(one, routed[0], routed[1], True, shared)
+    assert not one_token_takes_shared(two, routed[0], routed[1], True, shared)
+    assert not one_token_takes_shared(one, routed[0], routed[1], False, shared)
+    not_pow2 = dataclasses.replace(shared, pow2_scales=False)
+    assert not one_token_takes_shared(one, routed[0], routed[1], True, not_pow2)
+    with pytest.raises(ValueError, match="shared expert goes only"):
+        grouped_moe_triton(
+            two, *routed[:2], w2_, ids2, 0, **scales, pow2_scales=True, shared=shared
+        )
+    with pytest.raises(ValueError, match="shared expert goes only"):
+        grouped_moe_triton(
+            one, *routed[:2], w1, ids1, 0, **scales, pow2_scales=True, shared=not_pow2
+        )
+    narrow = _shared_from(*_pow2_experts(1, 300, 128, seed=6), 0)
+    with pytest.raises(ValueError, match="is not a routed expert"):
+        grouped_moe_triton(one, *routed[:2], w1, ids1, 0, **scales, pow2_scales=True, shared=narrow)
+
+
 @needs_triton
 def test_one_token_with_pow2_scales_takes_the_one_token_kernels_and_no_other(monkeypatch) -> None:
     """The launcher's choice: one token of FP8 experts with pow2_scales goes to the one-token
@@ -285,7 +395,7 @@ def test_one_token_with_pow2_scales_takes_the_one_token_kernels_and_no_other(mon
     monkeypatch.setattr(
         moe_experts,
         "_grouped_moe_one_token",
-        lambda *args: calls.append(args[-1]) or real(*args),
+        lambda *args: calls.append(args[8]) or real(*args),  # the config
     )
     one, two = (torch.randn(rows, 300).to(DEVICE) for rows in (1, 2))
     ids1 = torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE)

@@ -66,3 +66,38 @@ def test_fp8_checkpoint_greedy_equals_transformers_on_the_dequantized_weights(
         q_kv_a = layers[0].self_attn.q_kv_a_proj.weight
         assert (q_kv_a.dtype == torch.float8_e4m3fn) == (heads == "whole-block")
         assert [o.token_ids for o in llm.generate(_prompts(512), params)] == reference, k
+
+
+def test_moe_runs_its_fp8_shared_expert_inside_the_routed_launches_where_they_take_it(
+    tmp_path, monkeypatch
+):
+    """Where the one-token kernels take the shared expert (`ops.moe_takes_shared`, on the GPU),
+    MoE hands it to them as one more expert, laid out from the loaded merged linears (gate and
+    up scale grids stacked), and runs no MLP of its own: the output is the MLP path's, but for
+    the one rounding of the routed sum it saves (here fp32)."""
+    from kernels import ops
+
+    src = make_tiny_model(
+        str(tmp_path / "src"), seed=2, **WHOLE_BLOCK_HEADS, moe_intermediate_size=128
+    )
+    fp8_dir = _rewrite(src, str(tmp_path / "fp8"), _quantize_checkpoint_ue8m0)
+    llm = LLM(fp8_dir, dtype="float32", num_draft_tokens=0)
+    moe = llm.engine.executor.worker.model.model.layers[1].mlp
+    assert moe.shared_experts.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    x = torch.randn(1, moe.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    unfused = moe(x)
+    passed, mlp_calls = [], []
+    real_moe, real_mlp = ops.grouped_moe, type(moe.shared_experts).forward
+    monkeypatch.setattr(ops, "moe_takes_shared", lambda *args: True)
+    monkeypatch.setattr(
+        ops, "grouped_moe", lambda *a, **kw: passed.append(kw["shared"]) or real_moe(*a, **kw)
+    )
+    monkeypatch.setattr(
+        type(moe.shared_experts), "forward", lambda *a: mlp_calls.append(1) or real_mlp(*a)
+    )
+    fused = moe(x)
+    assert passed[0] is not None and passed[0].pow2_scales and not mlp_calls
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5 * unfused.abs().max().item())
+    shared_out = real_mlp(moe.shared_experts, x)  # it counts: without it the output moves
+    assert (shared_out.abs().max() > 1e-3 * unfused.abs().max()).item()
+    assert not torch.allclose(fused, unfused - shared_out, atol=1e-4)
