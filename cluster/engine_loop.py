@@ -7,22 +7,24 @@ requests' outputs are due to their callers.
 cross a process boundary as they are.
 
 Pacing (`Pacer`): the loop decides when a request's outputs cross to its caller, so a step costs
-the caller work only for the requests that are due. A streamed request gets its first output
-that carries text at once (a token that renders as nothing yet, such as part of a character's
-bytes, or text held back as the possible start of a stop string, joins the next), then at most
-one output (every step since the last one, joined) per stream interval:
-`stream_chunks_per_s` spread over the streams in flight (0: one per step); a request that is not
-streamed gets one output, when it finishes. When each step's tokens were produced goes with each
-output (`time.perf_counter()` stamps: one clock for every process of a host), for latency
-metrics. Pacing where the engine runs means that the engine's own process sends a message only
-when some request is due, not every step; and since the loop asks before each output is built
-(`Pacer.wants_output`), a step builds outputs only for the requests that are due: a request
-held back gains tokens in the engine's state alone, and its next output carries all of them.
+the caller work only for the requests that are due. A streamed request gets its first output that
+carries text at once (a token that renders as nothing yet, such as part of a character's bytes, or
+text held back as the possible start of a stop string, joins the next), then at most one output
+(every step since the last one, joined) per stream interval: `stream_chunks_per_s` spread over the
+streams in flight (0: one per step); a request that is not streamed gets one output, when it
+finishes. The intervals of all streams end on one grid of ticks, so the streams due at a tick cross
+in one message, not one message each. When each step's tokens were produced goes with each output
+(`time.perf_counter()` stamps: one clock for every process of a host), for latency metrics. Pacing
+where the engine runs means that the engine's own process sends a message only when some request is
+due, not every step; and since the loop asks before each output is built (`Pacer.wants_output`), a
+step builds outputs only for the requests that are due: a request held back gains tokens in the
+engine's state alone, and its next output carries all of them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -74,6 +76,16 @@ def portable(error: Exception) -> Exception:
         return error
     except Exception:  # noqa: BLE001 - whatever an exception's own pickling raises
         return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def next_send_s(now_s: float, interval_s: float) -> float:
+    """When a stream that sent at `now_s` is due again: the first tick of the `interval_s` grid
+    at least half an interval on (0: at once). Every stream's sends land on the same ticks, so
+    a step that passes a tick carries all of them in one message."""
+    if interval_s <= 0.0:
+        return now_s
+    tick = (math.floor(now_s / interval_s) + 1.0) * interval_s
+    return tick if tick - now_s >= 0.5 * interval_s else tick + interval_s
 
 
 def stream_interval_s(num_streams: int, chunks_per_s: float) -> float:
@@ -178,7 +190,7 @@ class Pacer:
             paced.stamps = []
             paced.text_sent = paced.text_sent or paced.pending_text
             paced.pending_text = False
-            paced.next_send_s = now_s + interval_s
+            paced.next_send_s = next_send_s(now_s, interval_s)
             if finished:
                 self._drop(request_id)
         return due

@@ -124,3 +124,27 @@ def test_the_loop_builds_an_output_only_when_it_is_due(tiny_model_dir):
     assert [t for d in got["stopped"] for t in d[Delta.NEW_TOKEN_IDS]] == (
         expected_stopped.token_ids
     )
+
+
+def test_streams_that_began_apart_are_due_at_the_same_tick(monkeypatch):
+    """Each stream's interval ends on one grid of ticks, at least half an interval after its
+    last output: streams whose first texts went at different times are then due together, so
+    their outputs cross in one message; each stream still gets one output per interval."""
+    import cluster.engine_loop as engine_loop
+
+    clock = [100.013]
+    monkeypatch.setattr(engine_loop.time, "perf_counter", lambda: clock[0])
+    pacer = Pacer(chunks_per_s=20.0, deltas=True)  # two streams: an interval of 0.1 s
+    pacer.add("a", stream=True)
+    pacer.add("b", stream=True)
+    assert len(pacer.pace([_delta("a", 1, "x", first=True)])) == 1  # at 100.013
+    clock[0] = 100.071
+    assert len(pacer.pace([_delta("b", 1, "x", first=True)])) == 1
+    sent = {}
+    for step in range(2, 40):  # a step every 10 ms
+        clock[0] = round(100.071 + 0.01 * (step - 1), 6)
+        for request_id, _, _ in pacer.pace([_delta("a", step, "y"), _delta("b", step, "y")]):
+            sent.setdefault(clock[0], []).append(request_id)
+    # a: at least 0.05 s after 100.013, the tick 100.1; b: the tick 100.2 (100.1 was too soon)
+    assert sent == {100.101: ["a"], 100.201: ["a", "b"], 100.301: ["a", "b"], 100.401: ["a", "b"]}
+    assert engine_loop.next_send_s(5.0, 0.0) == 5.0  # unpaced: at once
