@@ -11,6 +11,7 @@ from kernels import ops
 from kernels.fp8 import FP8_DTYPE, scale_grid, scales_are_powers_of_two, to_fp8
 from kernels.fp8_gemm import W8A8_MIN_TOKENS
 from kernels.moe_experts import (
+    SharedExpert,
     grouped_moe_reference,
     grouped_moe_triton,
     grouped_moe_w8a8_reference,
@@ -125,6 +126,43 @@ def test_pow2_scales_grouped_moe_real_shapes(fp8_experts, num_tokens: int) -> No
     assert_close(fast, grouped_moe_triton(x, w13, w2, weights, ids, first_expert, **scales))
     via_ops = ops.grouped_moe(x, w13, w2, weights, ids, first_expert, **scales, pow2_scales=True)
     assert_close(via_ops, expected)
+
+
+def test_one_token_shared_expert_real_shapes(fp8_experts) -> None:
+    """The shared expert inside the one-token launches at DeepSeek-V3.2's shapes: the same bits
+    as that expert appended to the routed ones (weight 1, last slot), close to the twin."""
+    w13, w2, w13_scale, w2_scale, first_expert = fp8_experts
+    w13_scale, w2_scale = to_powers_of_two(w13_scale), to_powers_of_two(w2_scale)
+    num_local, intermediate = w13.shape[0], w13.shape[1] // 2
+    if intermediate % 128:
+        pytest.skip("the shared expert's gate and up need whole scale blocks")
+    s13, s2, s13_scale, s2_scale = _fp8_experts(1, intermediate, seed=11)
+    s13_scale, s2_scale = to_powers_of_two(s13_scale), to_powers_of_two(s2_scale)
+    shared = SharedExpert(
+        s13[0], s2[0], s13_scale[0].reshape(-1, s13_scale.shape[-1]), s2_scale[0], True
+    )
+    x = torch.randn(1, HIDDEN, dtype=BF16, device=CUDA)
+    weights, ids = _routes(1, first_expert, num_local, seed=5)
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+    assert ops.moe_takes_shared(x, w13, w2, True, shared)
+    got = ops.grouped_moe(
+        x, w13, w2, weights, ids, first_expert, **scales, pow2_scales=True, shared=shared
+    )
+    assert_close(
+        got, grouped_moe_reference(x, w13, w2, weights, ids, first_expert, **scales, shared=shared)
+    )
+    appended = grouped_moe_triton(
+        x,
+        torch.cat([w13, s13]),
+        torch.cat([w2, s2]),
+        torch.cat([weights, torch.ones(1, 1, device=CUDA)], 1),
+        torch.cat([ids, torch.full((1, 1), first_expert + num_local, device=CUDA)], 1).int(),
+        first_expert,
+        torch.cat([w13_scale, s13_scale]),
+        torch.cat([w2_scale, s2_scale]),
+        pow2_scales=True,
+    )
+    assert torch.equal(got, appended)
 
 
 def test_fp8_grouped_moe_fp32_activations() -> None:
