@@ -731,6 +731,35 @@ ONE_TOKEN_CONFIG = MoeGemvConfig(block_n=32, block_k=512, num_warps=4, gate_up_b
 
 
 @triton.jit
+def _one_token_pair(
+    pair,
+    ids_ptr,
+    w_ptr,
+    w_expert_stride,
+    shared_w_ptr,
+    s_ptr,
+    scale_expert_stride,
+    shared_s_ptr,
+    scale_row_stride,
+    shared_scale_row_stride,
+    num_local_experts,
+    first_expert,
+    TOP_K: tl.constexpr,
+):
+    """A one-token program's pair: whether it is routed (a slot past TOP_K is the shared
+    expert's), whether this rank holds its expert, and its weights, scales and scale row stride
+    (the shared expert's rows are a routed expert's, the same strides)."""
+    routed = pair < TOP_K
+    expert = tl.load(ids_ptr + pair, mask=routed, other=0).to(tl.int32) - first_expert
+    held = ((expert >= 0) & (expert < num_local_experts)) | ~routed
+    e = tl.maximum(expert, 0).to(tl.int64)
+    w_expert = tl.where(routed, w_ptr + e * w_expert_stride, shared_w_ptr)
+    s_expert = tl.where(routed, s_ptr + e * scale_expert_stride, shared_s_ptr)
+    row_stride = tl.where(routed, scale_row_stride, shared_scale_row_stride)
+    return routed, held, w_expert, s_expert, row_stride
+
+
+@triton.jit
 def _moe_gemv_gate_up_kernel(
     x_ptr,
     ids_ptr,
@@ -762,16 +791,23 @@ def _moe_gemv_gate_up_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the down kernel may come in and wait
-    # The shared expert's rows are a routed expert's (the same strides); its scales are the
-    # merged linear's grid, up's block rows after gate's.
-    routed = pair < TOP_K
-    expert = tl.load(ids_ptr + pair, mask=routed, other=0).to(tl.int32) - first_expert
-    held = ((expert >= 0) & (expert < num_local_experts)) | ~routed
-    e = tl.maximum(expert, 0).to(tl.int64)
-    w_expert = tl.where(routed, w13_ptr + e * w13_expert_stride, shared_w13_ptr)
-    s_expert = tl.where(routed, w13_scale_ptr + e * scale_expert_stride, shared_scale_ptr)
+    routed, held, w_expert, s_expert, row_stride = _one_token_pair(
+        pair,
+        ids_ptr,
+        w13_ptr,
+        w13_expert_stride,
+        shared_w13_ptr,
+        w13_scale_ptr,
+        scale_expert_stride,
+        shared_scale_ptr,
+        scale_row_stride,
+        shared_scale_row_stride,
+        num_local_experts,
+        first_expert,
+        TOP_K,
+    )
+    # The shared expert's scales are the merged linear's grid: up's block rows after gate's.
     part_stride = tl.where(routed, scale_part_stride, shared_scale_part_stride)
-    row_stride = tl.where(routed, scale_row_stride, shared_scale_row_stride)
     if held:
         w_gate = w_expert + cols[:, None].to(tl.int64) * w13_row_stride
         w_up = w_gate + intermediate * w13_row_stride
@@ -826,13 +862,21 @@ def _moe_gemv_down_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    routed = pair < TOP_K
-    expert = tl.load(ids_ptr + pair, mask=routed, other=0).to(tl.int32) - first_expert
-    held = ((expert >= 0) & (expert < num_local_experts)) | ~routed
-    e = tl.maximum(expert, 0).to(tl.int64)
-    w_expert = tl.where(routed, w2_ptr + e * w2_expert_stride, shared_w2_ptr)
-    s_expert = tl.where(routed, w2_scale_ptr + e * scale_expert_stride, shared_scale_ptr)
-    row_stride = tl.where(routed, scale_row_stride, shared_scale_row_stride)
+    routed, held, w_expert, s_expert, row_stride = _one_token_pair(
+        pair,
+        ids_ptr,
+        w2_ptr,
+        w2_expert_stride,
+        shared_w2_ptr,
+        w2_scale_ptr,
+        scale_expert_stride,
+        shared_scale_ptr,
+        scale_row_stride,
+        shared_scale_row_stride,
+        num_local_experts,
+        first_expert,
+        TOP_K,
+    )
     # The shared expert's weight is 1.
     weight = tl.load(topk_weights_ptr + pair, mask=routed, other=1.0).to(tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # a pair held elsewhere adds 0
