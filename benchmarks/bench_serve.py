@@ -112,6 +112,7 @@ class LevelResult:
     num_steps: int | None = None
     num_prefill_steps: int | None = None
     step_time_s: float | None = None
+    prefill_step_time_s: float | None = None  # of it, in the steps that carried a prompt
 
     @property
     def tokens_per_s(self) -> float:
@@ -152,6 +153,7 @@ class LevelResult:
             "num_steps": self.num_steps,
             "num_prefill_steps": self.num_prefill_steps,
             "step_time_s": self.step_time_s,
+            "prefill_step_time_s": self.prefill_step_time_s,
             "first_errors": self.first_errors,
             "slowest_step_s": self.slowest_step_s,
             "slowest_step_outputs": self.slowest_step_outputs,
@@ -633,11 +635,12 @@ def step_figures(
 
 def steps_table(rows: list[dict]) -> str:
     """The engine's steps per level: how many, how many carried a prompt, tokens per step, a
-    step's mean time, and the share of the level's wall time spent inside steps."""
+    step's mean time (and apart: a step that carried a prompt, one that did not), and the share
+    of the level's wall time spent inside steps."""
     lines = [
         "| path | concurrency | pass | steps | with a prompt | output tokens per step "
-        "| mean step (ms) | engine busy |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mean step (ms) | with a prompt / without (ms) | engine busy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         steps, prefills = r.get("num_steps"), r.get("num_prefill_steps")
@@ -647,21 +650,37 @@ def steps_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} | {steps} "
             f"| {prefills} ({prefills / steps:.0%}) | {r['num_output_tokens'] / steps:.1f} "
-            f"| {mean_step} | {busy} |"
+            f"| {mean_step} | {_split_step_ms(r)} | {busy} |"
         )
     return "Engine steps:\n" + "\n".join(lines)
 
 
-def step_counts(stats: dict | None) -> tuple[int, int, float | None] | None:
-    """(num_steps, num_prefill_steps, step_time_s) of an engine's stats (`EngineStats` as a
-    dict; step_time_s None from a server that does not count it)."""
+def _split_step_ms(r: dict) -> str:
+    """A prompt-carrying step's mean ms / a decode-only step's, "-" where not counted."""
+    total, prefill = r.get("step_time_s"), r.get("prefill_step_time_s")
+    steps, prefills = r["num_steps"], r["num_prefill_steps"]
+    if total is None or prefill is None:
+        return "-"
+    with_prompt = f"{prefill / prefills * 1e3:.2f}" if prefills else "-"
+    without = f"{(total - prefill) / (steps - prefills) * 1e3:.2f}" if steps > prefills else "-"
+    return f"{with_prompt} / {without}"
+
+
+def step_counts(stats: dict | None) -> tuple[int, int, float | None, float | None] | None:
+    """(num_steps, num_prefill_steps, step_time_s, prefill_step_time_s) of an engine's stats
+    (`EngineStats` as a dict; a time None from a server that does not count it)."""
     if not stats or "num_steps" not in stats:
         return None
-    step_time_s = stats.get("step_time_s")
+
+    def seconds(name: str) -> float | None:
+        value = stats.get(name)
+        return None if value is None else float(value)
+
     return (
         int(stats["num_steps"]),
         int(stats["num_prefill_steps"]),
-        None if step_time_s is None else float(step_time_s),
+        seconds("step_time_s"),
+        seconds("prefill_step_time_s"),
     )
 
 
@@ -671,6 +690,8 @@ def steps_between(before, after, row: LevelResult) -> None:
         row.num_prefill_steps = after[1] - before[1]
         if before[2] is not None and after[2] is not None:
             row.step_time_s = after[2] - before[2]
+        if before[3] is not None and after[3] is not None:
+            row.prefill_step_time_s = after[3] - before[3]
 
 
 def first_requests_line(name: str, row: LevelResult) -> str:
@@ -685,7 +706,7 @@ def first_requests_line(name: str, row: LevelResult) -> str:
     return line
 
 
-def served_step_counts(url: str) -> tuple[int, int] | None:
+def served_step_counts(url: str) -> tuple | None:
     """`step_counts` of the replica's engine, from /health (one replica: what the bench
     deploys; the engine process sends its stats whenever a request ends)."""
     import urllib.request
@@ -767,6 +788,13 @@ def main(argv: list[str] | None = None) -> int:
         help="EngineConfig.overlap_steps for both engines (default: the engine's)",
     )
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "bfloat16", "float32"],
+        help="EngineConfig.dtype for both engines (default: the engine's; float32 on the GPU "
+        "tells batch-dependent bf16 numerics from a defect where texts differ across paths)",
+    )
     ap.add_argument("--concurrency", default="1,8,32,128", help="comma-separated levels")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
@@ -864,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         "actor_num_cpus": args.actor_num_cpus,
         **({"executor": args.executor} if args.executor else {}),
         **({"overlap_steps": args.overlap_steps} if args.overlap_steps else {}),
+        **({"dtype": args.dtype} if args.dtype else {}),
     }
     print(
         f"bench_serve: model={model} tp={args.tp} k={args.num_draft_tokens} "

@@ -58,6 +58,7 @@ class EngineStats:
     # Wall time inside those steps (schedule, execute, update, outputs). Over an interval,
     # its growth / the interval is how busy the engine was; / the steps, a step's mean time.
     step_time_s: float = 0.0
+    prefill_step_time_s: float = 0.0  # of it, inside the steps that carried a prompt
     spec: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
 
     @property
@@ -229,7 +230,8 @@ class LLMEngine:
             return []
         self.counters.num_steps += 1
         # Decodes come first, then prefills (SchedulerOutput): the last says whether any is one.
-        self.counters.num_prefill_steps += scheduled.scheduled[-1].is_prefill
+        carries_prompt = scheduled.scheduled[-1].is_prefill
+        self.counters.num_prefill_steps += carries_prompt
         step_input = self._step_input(scheduled)
         results, failures = self._execute_isolating(step_input)
         changed = self.scheduler.update(scheduled, results)
@@ -241,7 +243,10 @@ class LLMEngine:
                 outputs.append(self._output(request))
             else:
                 self.counters.observe(request)  # its tokens count now, its output comes later
-        self.counters.step_time_s += time.perf_counter() - started_s
+        step_s = time.perf_counter() - started_s
+        self.counters.step_time_s += step_s
+        if carries_prompt:
+            self.counters.prefill_step_time_s += step_s
         return outputs
 
     def _output(self, request: Request) -> RequestOutput | tuple:
@@ -370,6 +375,7 @@ class LLMEngine:
             num_steps=self.counters.num_steps,
             num_prefill_steps=self.counters.num_prefill_steps,
             step_time_s=self.counters.step_time_s,
+            prefill_step_time_s=self.counters.prefill_step_time_s,
             spec=spec,
         )
 

@@ -176,6 +176,7 @@ class EngineCounters:
     num_steps: int = 0  # steps that ran
     num_prefill_steps: int = 0  # of them, steps that carried a prompt (a chunk of one)
     step_time_s: float = 0.0  # wall time inside those steps: schedule, execute, outputs
+    prefill_step_time_s: float = 0.0  # of it, inside the steps that carried a prompt
 
     def observe(self, request: Request) -> None:
         """Count what `request` gained since it was last observed (its tokens, its prompt's

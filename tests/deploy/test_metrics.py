@@ -339,25 +339,41 @@ def test_bench_serve_counts_a_levels_engine_steps_from_the_engine_stats():
 
     bench = _bench_serve()
 
-    def health(steps: int, prefill_steps: int, step_time_s: float) -> dict:
+    def health(steps: int, prefill_steps: int, step_time_s: float, prefill_s: float) -> dict:
         stats = EngineStats(
-            1, 0, 10, 10, num_steps=steps, num_prefill_steps=prefill_steps, step_time_s=step_time_s
+            1,
+            0,
+            10,
+            10,
+            num_steps=steps,
+            num_prefill_steps=prefill_steps,
+            step_time_s=step_time_s,
+            prefill_step_time_s=prefill_s,
         )
         return json.loads(json.dumps(dataclasses.asdict(stats)))
 
     row = bench.LevelResult("full", 32, num_output_tokens=640, wall_s=0.125)
-    before, after = bench.step_counts(health(7, 3, 1.5)), bench.step_counts(health(27, 8, 1.6))
+    before = bench.step_counts(health(7, 3, 1.5, 0.5))
+    after = bench.step_counts(health(27, 8, 1.6, 0.54))
     bench.steps_between(before, after, row)
     assert (row.num_steps, row.num_prefill_steps) == (20, 5)
     assert row.step_time_s == pytest.approx(0.1)
-    # 0.1 s over 20 steps: 5 ms a step; 0.1 of the level's 0.125 s: busy 80% of it
+    assert row.prefill_step_time_s == pytest.approx(0.04)
+    # 0.1 s over 20 steps: 5 ms a step; 0.1 of the level's 0.125 s: busy 80% of it; the 5
+    # steps with a prompt took 0.04 s (8 ms each), the 15 without 0.06 s (4 ms each)
     assert (
         bench.steps_table([row.summary()]).splitlines()[-1]
-        == "| full | 32 | 1 | 20 | 5 (25%) | 32.0 | 5.00 | 80% |"
+        == "| full | 32 | 1 | 20 | 5 (25%) | 32.0 | 5.00 | 8.00 / 4.00 | 80% |"
     )
-    older = {k: v for k, v in health(27, 8, 0.0).items() if k != "step_time_s"}
+    older = {
+        k: v
+        for k, v in health(27, 8, 0.0, 0.0).items()
+        if k not in ("step_time_s", "prefill_step_time_s")
+    }
     bench.steps_between(before, bench.step_counts(older), row := bench.LevelResult("full", 1))
-    assert (row.num_steps, row.step_time_s) == (20, None)
+    assert (row.num_steps, row.step_time_s, row.prefill_step_time_s) == (20, None, None)
+    row.num_output_tokens, row.wall_s = 20, 1.0
+    assert bench.steps_table([row.summary()]).splitlines()[-1].endswith("| - | - | - |")
     assert bench.step_counts({"num_running": 1}) is None  # an older server: no counts
 
 
