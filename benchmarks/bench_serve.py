@@ -338,6 +338,7 @@ def cpu_table(rows: list[dict]) -> str:
 def run_offline(engine, prompts, concurrency: int, num_requests: int, max_tokens: int):
     """`concurrency` requests in flight on an `LLMEngine`, refilled as they finish."""
     from cluster.sampling_params import SamplingParams
+    from workers.long_lived import frozen_for_the_call
 
     params = SamplingParams(max_tokens=max_tokens, temperature=bench_temperature(), ignore_eos=True)
     result = LevelResult("offline", concurrency)
@@ -345,29 +346,32 @@ def run_offline(engine, prompts, concurrency: int, num_requests: int, max_tokens
     added_s: dict[str, float] = {}
     prompt_of: dict[str, int] = {}
     started = time.perf_counter()
-    while to_send or engine.has_unfinished:
-        while to_send and len(added_s) < concurrency:
-            index = to_send.popleft()
-            request_id = f"offline-{concurrency}-{index}"
-            prompt_of[request_id] = index % len(prompts)
-            added_s[request_id] = time.perf_counter()
-            engine.add_request(prompts[prompt_of[request_id]], params, request_id)
-            result.num_requests += 1
-        step_started = time.perf_counter()
-        outputs = engine.step(_first_or_last)
-        now = time.perf_counter()
-        if result.slowest_step_s is None or now - step_started > result.slowest_step_s:
-            result.slowest_step_s = now - step_started
-            result.slowest_step_outputs = len(outputs)
-        for out in outputs:
-            rid = out.request_id
-            # The request's first tokens: every token so far is new (`_first_or_last`).
-            if out.new_token_ids and len(out.new_token_ids) == len(out.token_ids):
-                result.ttft_s.append(now - added_s[rid])
-            if out.finished:
-                result.num_output_tokens += len(out.token_ids)
-                result.latency_s.append(now - added_s.pop(rid))
-                result.record_text(prompt_of.pop(rid), out.text)
+    # As `LLM.generate` does: what was alive before the level out of the collector's full
+    # scans while it runs (workers.long_lived.frozen_for_the_call).
+    with frozen_for_the_call():
+        while to_send or engine.has_unfinished:
+            while to_send and len(added_s) < concurrency:
+                index = to_send.popleft()
+                request_id = f"offline-{concurrency}-{index}"
+                prompt_of[request_id] = index % len(prompts)
+                added_s[request_id] = time.perf_counter()
+                engine.add_request(prompts[prompt_of[request_id]], params, request_id)
+                result.num_requests += 1
+            step_started = time.perf_counter()
+            outputs = engine.step(_first_or_last)
+            now = time.perf_counter()
+            if result.slowest_step_s is None or now - step_started > result.slowest_step_s:
+                result.slowest_step_s = now - step_started
+                result.slowest_step_outputs = len(outputs)
+            for out in outputs:
+                rid = out.request_id
+                # The request's first tokens: every token so far is new (`_first_or_last`).
+                if out.new_token_ids and len(out.new_token_ids) == len(out.token_ids):
+                    result.ttft_s.append(now - added_s[rid])
+                if out.finished:
+                    result.num_output_tokens += len(out.token_ids)
+                    result.latency_s.append(now - added_s.pop(rid))
+                    result.record_text(prompt_of.pop(rid), out.text)
     result.wall_s = time.perf_counter() - started
     return result
 

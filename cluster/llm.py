@@ -6,6 +6,7 @@ from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.outputs import RequestOutput
 from cluster.sampling_params import SamplingParams
+from workers.long_lived import frozen_for_the_call
 
 
 class LLM:
@@ -26,11 +27,14 @@ class LLM:
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             ids.append(self.engine.add_request(token_ids, params))
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished:
-            # Only the last output of each request is kept: none is built before it.
-            for out in self.engine.step(_finished):
-                if out.finished:
-                    final[out.request_id] = out
+        # The model, the engine and the caller's objects out of the collector's full scans
+        # while the steps run (workers/long_lived.py says why), back in them after.
+        with frozen_for_the_call():
+            while self.engine.has_unfinished:
+                # Only the last output of each request is kept: none is built before it.
+                for out in self.engine.step(_finished):
+                    if out.finished:
+                        final[out.request_id] = out
         return [final[i] for i in ids]
 
     def stats(self):

@@ -11,13 +11,22 @@ middle-generation runs once the oldest generation has grown by a quarter: rare (
 Only where the process's lifetime is the engine's (its own engine process, a rank's actor):
 an engine rebuilt inside a longer-lived process would leave its frozen cycles uncollected.
 `thaw` before a normal exit returns the objects, so the process tears them down as usual.
+
+An engine run in its caller's process (`LLM.generate`, a batch job's) cannot freeze for good:
+the process may drop the engine and build another. `frozen_for_the_call()` freezes what is
+alive when the call starts and thaws it when the call ends: inside the call a full collection
+scans only what the call allocated. Without it, the offline engine at 128 sequences (null
+executor, 2-core box) ran a full collection of ~95-100 ms once or twice in each 8 s pass, and on
+the GPU host one decode step of each such pass took 200-270 ms (BENCHMARKS.md, session 41).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -40,3 +49,18 @@ def freeze_long_lived(what: str) -> int:
 def thaw() -> None:
     """Undo `freeze_long_lived` (before a normal exit, or before dropping what it froze)."""
     gc.unfreeze()
+
+
+@contextlib.contextmanager
+def frozen_for_the_call() -> Iterator[None]:
+    """Every object alive now out of the collector's scans until the block ends (no collection
+    first: `gc.freeze()` and `gc.unfreeze()` only move lists). Where something froze objects
+    already (an engine process, the caller's own `gc.freeze()`), theirs to thaw: nothing done."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -196,7 +196,38 @@ def test_stats_count_steps_and_those_that_carry_a_prompt(tiny_model_dir):
     stats = engine.stats()
     assert (stats.num_steps, stats.num_prefill_steps) == (4, 2)
     assert 0.0 < stats.step_time_s <= wall_s - 0.3
+    assert 0.0 < stats.prefill_step_time_s < stats.step_time_s  # the two of four with a prompt
     engine.shutdown()
+
+
+def test_generate_keeps_what_was_alive_out_of_the_full_collections(tiny_model_dir, monkeypatch):
+    """While `LLM.generate` steps, the model, the engine and the caller's objects are frozen
+    (a full collection of them is a 100-270 ms stall of every sequence: workers/long_lived.py);
+    a cycle the steps drop is still collected; after the call nothing stays frozen."""
+    import gc
+    import weakref
+
+    llm = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", device="cpu")
+    assert gc.get_freeze_count() == 0
+    step, seen = llm.engine.step, []
+
+    class Cycle:
+        pass
+
+    def step_and_look(*args, **kwargs):
+        made = Cycle()
+        made.me = made
+        gone = weakref.ref(made)
+        del made
+        gc.collect()  # a full collection inside the call
+        seen.append((gc.get_freeze_count(), gone() is None))
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "step", step_and_look)
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.token_ids) == 3
+    assert seen and all(frozen > 10_000 and collected for frozen, collected in seen), seen[:3]
+    assert gc.get_freeze_count() == 0
 
 
 def test_logprobs_follow_the_rows_of_accepted_drafts(
