@@ -31,11 +31,17 @@ from collections.abc import Iterator
 logger = logging.getLogger(__name__)
 
 
+# Whether this process froze its objects for its life (`freeze_long_lived`, until `thaw`).
+_frozen_for_life = False
+
+
 def freeze_long_lived(what: str) -> int:
     """Collect, then freeze every object alive now; -> how many are frozen."""
+    global _frozen_for_life
     started_s = time.perf_counter()
     gc.collect()
     gc.freeze()
+    _frozen_for_life = True
     frozen = gc.get_freeze_count()
     logger.info(
         "%s: %d long-lived objects frozen out of the garbage collector's scans (%.0f ms)",
@@ -48,15 +54,21 @@ def freeze_long_lived(what: str) -> int:
 
 def thaw() -> None:
     """Undo `freeze_long_lived` (before a normal exit, or before dropping what it froze)."""
+    global _frozen_for_life
     gc.unfreeze()
+    _frozen_for_life = False
 
 
 @contextlib.contextmanager
 def frozen_for_the_call() -> Iterator[None]:
     """Every object alive now out of the collector's scans until the block ends (no collection
-    first: `gc.freeze()` and `gc.unfreeze()` only move lists). Where something froze objects
-    already (an engine process, the caller's own `gc.freeze()`), theirs to thaw: nothing done."""
-    if gc.get_freeze_count():
+    first: `gc.freeze()` and `gc.unfreeze()` only move lists). In a process frozen for its life
+    (`freeze_long_lived`) nothing is done. A freeze someone else made before is undone with
+    this one at the end: CPython thaws all or nothing, and waiting for it would leave the call
+    open to full scans (on the GPU host something had frozen 375 objects by the time the engine
+    was warm, and a full collection inside the call then took 215 ms). A freeze is only a hint
+    to the collector: their objects are scanned again, nothing else changes."""
+    if _frozen_for_life:
         yield
         return
     gc.freeze()
