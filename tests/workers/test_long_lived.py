@@ -35,7 +35,9 @@ def test_a_process_frozen_for_its_life_stays_frozen():
     try:
         with frozen_for_the_call():
             pass
-        assert gc.get_freeze_count() == frozen > 0
+        # Still frozen (a thaw moves every one back: 0). A few frozen objects may have died
+        # meanwhile by their reference counts, so not exactly `frozen`.
+        assert gc.get_freeze_count() > frozen // 2 > 0
     finally:
         thaw()
     assert gc.get_freeze_count() == 0
