@@ -208,7 +208,7 @@ def test_generate_keeps_what_was_alive_out_of_the_full_collections(tiny_model_di
     import weakref
 
     llm = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", device="cpu")
-    assert gc.get_freeze_count() == 0
+    gc.unfreeze()  # whatever froze before (a library may): the call must freeze by itself
     step, seen = llm.engine.step, []
 
     class Cycle:

@@ -11,9 +11,9 @@ from workers.long_lived import freeze_long_lived, frozen_for_the_call, thaw
 
 @pytest.fixture(autouse=True)
 def _thawed():
-    gc.unfreeze()
+    thaw()  # nothing frozen, and no freeze for life, before and after each test
     yield
-    gc.unfreeze()
+    thaw()
 
 
 def test_the_call_freezes_what_is_alive_and_thaws_it_after():
