@@ -4,7 +4,8 @@
         [--overlap-steps auto|on|off]
         [--concurrency 1,8,32,128] [--max-tokens 128] [--prompt-len 32] [--rounds 2]
         [--paths offline,stream,full] [--client auto|httpx|aiohttp] [--device auto] [--no-colocate]
-        [--repeat 1] [--[no-]interleave] [--executor MODULE:CLASS] [--pin-engines] [--json PATH]
+        [--repeat 1] [--[no-]interleave] [--bracket] [--executor MODULE:CLASS] [--pin-engines]
+        [--dtype auto|bfloat16|float32] [--json PATH]
 
 Same checkpoint, device and engine settings for every path (the tiny random checkpoint unless
 told otherwise). Each concurrency level is `concurrency` closed-loop clients sending greedy
@@ -26,7 +27,11 @@ offline engine alone measured 20.5k and 38k tok/s at 32 concurrent in two runs o
 minute apart. With `--tp` above 1 (the two engines would need twice the GPUs), or
 `--no-interleave`, the offline engine runs first and is shut down before the Serve app starts
 (one engine on the device at a time; a model too large for two copies needs this). `--repeat`
-passes over the levels again; ratios pair each row with the offline row of its pass. Each path
+passes over the levels again; ratios pair each row with the offline row of its pass.
+`--bracket` (interleaved only) runs each level's offline engine again after its HTTP paths (the
+`offline-after` row, whose "x offline" is after / before: the drift within the level), and the
+served rows' ratios are then to the mean of the two, which cancels a drift that is steady over
+the level (the H100 hosts of session 41 moved a step's time up to 1.6x between passes). Each path
 gets one untimed burst first (warm-up). Columns: output tokens/s over the level's wall time, its
 ratio to offline at the same concurrency, time to first token (stream: first text chunk;
 offline: first step output with a token) and inter-token latency (served: gap between a request's
@@ -86,7 +91,7 @@ from benchmarks.load_test import (
 class LevelResult:
     """One path at one concurrency level."""
 
-    path: str  # "offline" | "stream" | "full"
+    path: str  # "offline" | "offline-after" (--bracket) | "stream" | "full"
     concurrency: int
     repeat: int = 0  # which pass over the levels (--repeat)
     num_requests: int = 0
@@ -553,17 +558,42 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
 
 
+OFFLINE_PATHS = ("offline", "offline-after")
+
+
+def offline_bases(rows: list[dict]) -> dict[tuple[int, int], dict]:
+    """(concurrency, pass) -> what the served rows of that level are compared with: the offline
+    row, or with `--bracket` the mean of it and the `offline-after` row (tok/s, TTFT p50)."""
+    before = {(r["concurrency"], r["repeat"]): r for r in rows if r["path"] == "offline"}
+    after = {(r["concurrency"], r["repeat"]): r for r in rows if r["path"] == "offline-after"}
+    bases = {}
+    for key, first in before.items():
+        pair = [first] + ([after[key]] if key in after else [])
+        ttfts = [r["ttft_p50_s"] for r in pair if r["ttft_p50_s"] is not None]
+        bases[key] = {
+            "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in pair),
+            "ttft_p50_s": statistics.fmean(ttfts) if ttfts else None,
+        }
+    return bases
+
+
 def table(rows: list[dict]) -> str:
-    offline = {
-        (r["concurrency"], r["repeat"]): r["tokens_per_s"] for r in rows if r["path"] == "offline"
-    }
+    bases = offline_bases(rows)
+    first = {(r["concurrency"], r["repeat"]): r for r in rows if r["path"] == "offline"}
+    offline = {}
+    for r in rows:
+        key = (r["concurrency"], r["repeat"])
+        if r["path"] in OFFLINE_PATHS:  # offline: 1.00; offline-after: after / before
+            offline[(r["path"], *key)] = first[key]["tokens_per_s"] if key in first else None
+        elif key in bases:
+            offline[(r["path"], *key)] = bases[key]["tokens_per_s"]
     header = (
         "| path | concurrency | pass | requests | tok/s | x offline | TTFT p50 / p99 (ms) "
         "| ITL p50 / p99 (ms) | latency p50 (ms) | errors |"
     )
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = offline.get((r["concurrency"], r["repeat"]))
+        base = offline.get((r["path"], r["concurrency"], r["repeat"]))
         ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
         lines.append(
             f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} | {r['num_requests']} "
@@ -580,10 +610,10 @@ def passes_table(rows: list[dict]) -> str:
     to the offline engine measured next to it (interleaved, the same minute), and of the TTFT
     p50 over the offline engine's in that pass. One pass on a noisy host cannot rank a path
     against the engine; the median of passes measured back to back can."""
-    offline = {(r["concurrency"], r["repeat"]): r for r in rows if r["path"] == "offline"}
+    offline = offline_bases(rows)
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
-        if r["path"] != "offline" and (r["concurrency"], r["repeat"]) in offline:
+        if r["path"] not in OFFLINE_PATHS and (r["concurrency"], r["repeat"]) in offline:
             groups.setdefault((r["path"], r["concurrency"]), []).append(r)
     if not groups or max(len(g) for g in groups.values()) < 2:
         return ""
@@ -617,7 +647,7 @@ def where_time_goes_table(rows: list[dict]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        if r["path"] == "offline" or r.get("replica_e2e_mean_s") is None:
+        if r["path"] in OFFLINE_PATHS or r.get("replica_e2e_mean_s") is None:
             continue
         lines.append(
             f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} "
@@ -876,6 +906,12 @@ def main(argv: list[str] | None = None) -> int:
         "back to back (default: on, except with --tp above 1; off: one engine on the device at "
         "a time)",
     )
+    ap.add_argument(
+        "--bracket",
+        action="store_true",
+        help="interleaved: each level's offline engine again after its HTTP paths; served "
+        "ratios to the mean of the two (a steady drift over the level cancels)",
+    )
     ap.add_argument("--json", default=None, help="write the rows and the run's facts here")
     args = ap.parse_args(argv)
     os.environ[TEMPERATURE_ENV] = str(args.temperature)  # read by the clients, spawned or not
@@ -937,6 +973,8 @@ def main(argv: list[str] | None = None) -> int:
                     if engine is not None:
                         rows.append(_offline_level(engine, prompts, c, repeat, args))
                     rows += [_http_level(server, prompts, p, c, repeat, args) for p in http_paths]
+                    if engine is not None and args.bracket and http_paths:
+                        rows.append(_offline_level(engine, prompts, c, repeat, args, after=True))
         else:  # the offline engine's levels, its shutdown, then the server's
             for repeat in range(args.repeat if engine is not None else 0):
                 rows += [_offline_level(engine, prompts, c, repeat, args) for c in levels]
@@ -1111,7 +1149,7 @@ def _offline_engine(model, engine_options, prompts, levels, args):
     return offline, first_ms
 
 
-def _offline_level(offline, prompts, c: int, repeat: int, args) -> LevelResult:
+def _offline_level(offline, prompts, c: int, repeat: int, args, after: bool = False) -> LevelResult:
     n = num_requests_for(c, args.rounds, args.min_requests)
     named = {offline.pid: "bench (offline engine)"}
     before = process_cpu_s(named)
@@ -1120,8 +1158,10 @@ def _offline_level(offline, prompts, c: int, repeat: int, args) -> LevelResult:
     row.cpu_s = cpu_used(before, process_cpu_s(named))
     steps_between(steps_before, step_counts(offline.stats()), row)
     row.repeat = repeat
+    if after:
+        row.path = "offline-after"
     print(
-        f"  offline c={c}: {row.tokens_per_s:.0f} tok/s, slowest step "
+        f"  {row.path} c={c}: {row.tokens_per_s:.0f} tok/s, slowest step "
         f"{_ms(row.slowest_step_s)} ms ({row.slowest_step_outputs} outputs)",
         flush=True,
     )

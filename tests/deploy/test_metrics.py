@@ -439,3 +439,35 @@ def test_bench_serve_gives_each_pinned_engine_a_core_of_its_own():
     # Too few to leave two CPUs for the rest: nothing chosen.
     assert bench.engine_cpus_for(set(range(2)), lambda c: {c}, 1) is None
     assert bench.engine_cpus_for({0, 1, 2, 3}, lambda c: {c % 2, c % 2 + 2}, 2) is None
+
+
+def test_bench_serve_brackets_a_level_with_the_offline_engine_before_and_after():
+    """--bracket: a served row's ratio is to the mean of the offline rows before and after it
+    (a drift steady over the level cancels); the offline-after row shows after / before."""
+    bench = _bench_serve()
+
+    def row(path: str, repeat: int, tokens_per_s: float, ttft_s: float | None) -> dict:
+        level = bench.LevelResult(path, 32, num_requests=64, num_output_tokens=int(tokens_per_s))
+        level.wall_s, level.repeat = 1.0, repeat
+        if ttft_s is not None:
+            level.ttft_s = [ttft_s]
+        return level.summary()
+
+    rows = []
+    for repeat, (before, served, after) in enumerate([(100, 90, 80), (100, 95, 90)]):
+        rows += [
+            row("offline", repeat, before, 0.010),
+            row("stream", repeat, served, 0.014),
+            row("offline-after", repeat, after, 0.008),
+        ]
+    lines = bench.table(rows).splitlines()
+    assert lines[3].split("|")[6].strip() == "1.00"  # 90 against (100 + 80) / 2
+    assert lines[4].split("|")[6].strip() == "0.80"  # the drift: 80 after 100
+    assert lines[6].split("|")[6].strip() == "1.00"  # 95 against (100 + 90) / 2
+    passes = bench.passes_table(rows).splitlines()
+    assert len(passes) == 3  # the stream row alone: the offline rows are the bases
+    # median ratio 1.00; TTFT over offline's: 14 ms against a mean of 9
+    assert passes[-1] == "| stream | 32 | 2 | 1.00 (1.00-1.00) | 5.0 |"
+    # Without --bracket the same served rows compare with the offline row before them alone.
+    plain = [r for r in rows if r["path"] != "offline-after"]
+    assert bench.table(plain).splitlines()[3].split("|")[6].strip() == "0.90"
