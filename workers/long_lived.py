@@ -17,7 +17,7 @@ the process may drop the engine and build another. `frozen_for_the_call()` freez
 alive when the call starts and thaws it when the call ends: inside the call a full collection
 scans only what the call allocated. Without it, the offline engine at 128 sequences (null
 executor, 2-core box) ran a full collection of ~95-100 ms once or twice in each 8 s pass, and on
-the GPU host one decode step of each such pass took 200-270 ms (BENCHMARKS.md, session 41).
+the GPU hosts one decode step of each such pass took 166-273 ms (BENCHMARKS.md, session 41).
 """
 
 from __future__ import annotations
