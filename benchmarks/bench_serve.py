@@ -579,22 +579,22 @@ def offline_bases(rows: list[dict]) -> dict[tuple[int, int], dict]:
 
 def table(rows: list[dict]) -> str:
     bases = offline_bases(rows)
+    # What each row's "x offline" divides by: an offline row's own level's first offline row
+    # (offline: 1.00; offline-after: after / before), a served row its level's base.
     first = {(r["concurrency"], r["repeat"]): r for r in rows if r["path"] == "offline"}
-    offline = {}
-    for r in rows:
-        key = (r["concurrency"], r["repeat"])
-        if r["path"] in OFFLINE_PATHS:  # offline: 1.00; offline-after: after / before
-            offline[(r["path"], *key)] = first[key]["tokens_per_s"] if key in first else None
-        elif key in bases:
-            offline[(r["path"], *key)] = bases[key]["tokens_per_s"]
     header = (
         "| path | concurrency | pass | requests | tok/s | x offline | TTFT p50 / p99 (ms) "
         "| ITL p50 / p99 (ms) | latency p50 (ms) | errors |"
     )
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = offline.get((r["path"], r["concurrency"], r["repeat"]))
-        ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+        key = (r["concurrency"], r["repeat"])
+        base = (first if r["path"] in OFFLINE_PATHS else bases).get(key)
+        ratio = (
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}"
+            if base and base["tokens_per_s"]
+            else "-"
+        )
         lines.append(
             f"| {r['path']} | {r['concurrency']} | {r['repeat'] + 1} | {r['num_requests']} "
             f"| {r['tokens_per_s']:.0f} "
@@ -740,7 +740,7 @@ def first_requests_line(name: str, row: LevelResult) -> str:
     return line
 
 
-def served_step_counts(url: str) -> tuple | None:
+def served_step_counts(url: str) -> tuple[int, int, float | None, float | None] | None:
     """`step_counts` of the replica's engine, from /health (one replica: what the bench
     deploys; the engine process sends its stats whenever a request ends)."""
     import urllib.request
