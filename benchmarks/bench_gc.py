@@ -1,21 +1,28 @@
 """The cyclic garbage collector in a serving process, with and without the long-lived objects
-frozen (`workers.long_lived`, what the engine process and each rank's actor do after warm-up).
+frozen (`workers.long_lived`: what the engine process and each rank's actor do after warm-up,
+and `LLM.generate` for the length of its call).
 
     python benchmarks/bench_gc.py [--model DIR] [--device cpu|cuda] [--passes 4]
-        [--num-prompts 256] [--max-tokens 32] [--max-num-seqs 16]
+        [--num-prompts 256] [--max-tokens 32] [--max-num-seqs 16] [--executor MODULE:CLASS]
 
 Builds one offline engine, then: the objects the collector tracks and what one full collection
-of them costs; then passes of generation, alternately with the objects alive after warm-up
-unfrozen and frozen (`gc.unfreeze` between), each with the collections that came during it
-(generation 2: a full one), its wall time and tokens/s. Prints tables.
+of them costs; then passes of generation, alternately with the objects alive before the pass
+scanned (`LLM.generate`'s steps without its freeze) and frozen (`frozen_for_the_call`, what
+`LLM.generate` does), each with the collections that came during it (generation 2: a full one),
+its wall time and tokens/s. Prints tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
+import sys
 import time
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cluster.llm import LLM
 from cluster.sampling_params import SamplingParams
@@ -48,6 +55,17 @@ class Collections:
         return len(times), sum(times), max(times, default=0.0)
 
 
+def generate_scanned(llm: LLM, prompts, params) -> int:
+    """`LLM.generate`'s steps without its freeze: -> the output tokens."""
+    for prompt in prompts:
+        llm.engine.add_request(prompt, params)
+    tokens = 0
+    while llm.engine.has_unfinished:
+        for out in llm.engine.step(lambda request: request.is_finished):
+            tokens += len(out.token_ids) if out.finished else 0
+    return tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the tiny checkpoint)")
@@ -58,9 +76,21 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument(
+        "--executor",
+        default=None,
+        help="the engine's executor, e.g. benchmarks.null_executor:NullExecutor (no model)",
+    )
     args = ap.parse_args()
     model = args.model or (default_model_path() if args.default_model else tiny_model_path())
-    llm = LLM(model, device=args.device, max_num_seqs=args.max_num_seqs)
+    options = {"executor": args.executor} if args.executor else {}
+    llm = LLM(
+        model,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_queued_requests=max(256, args.num_prompts),
+        **options,
+    )
     rng = random.Random(0)
     vocab = llm.engine.vocab_size
     prompts = [
@@ -80,7 +110,8 @@ def main() -> None:
     gc.unfreeze()
     print(
         f"model={model} device={args.device} prompts={args.num_prompts}x{args.prompt_len} "
-        f"max_tokens={args.max_tokens} max_num_seqs={args.max_num_seqs}"
+        f"max_tokens={args.max_tokens} max_num_seqs={args.max_num_seqs} "
+        f"executor={args.executor or 'default'}"
     )
     print(
         f"objects tracked after warm-up: {tracked:,}; one full collection: "
@@ -93,16 +124,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for i in range(args.passes):
         frozen = i % 2 == 1
-        if frozen:
-            gc.collect()
-            gc.freeze()
         with Collections() as runs:
             started_s = time.perf_counter()
-            outs = llm.generate(prompts, params)
+            if frozen:
+                outs = llm.generate(prompts, params)  # frozen for the call
+                tokens = sum(len(o.token_ids) for o in outs)
+            else:
+                tokens = generate_scanned(llm, prompts, params)
             wall_s = time.perf_counter() - started_s
-        if frozen:
-            gc.unfreeze()
-        tokens = sum(len(o.token_ids) for o in outs)
         count, total_ms, longest_ms = runs.of(2)
         younger = runs.of(0)[0] + runs.of(1)[0]
         print(

@@ -16,8 +16,9 @@ An engine run in its caller's process (`LLM.generate`, a batch job's) cannot fre
 the process may drop the engine and build another. `frozen_for_the_call()` freezes what is
 alive when the call starts and thaws it when the call ends: inside the call a full collection
 scans only what the call allocated. Without it, the offline engine at 128 sequences (null
-executor, 2-core box) ran a full collection of ~95-100 ms once or twice in each 8 s pass, and on
-the GPU hosts one decode step of each such pass took 166-273 ms (BENCHMARKS.md, session 41).
+executor, 2-core box) ran two full collections of 112-115 ms in each 2.4 s pass
+(`benchmarks/bench_gc.py`), and on the GPU hosts one decode step of each such pass took
+166-273 ms (BENCHMARKS.md, session 41).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def frozen_for_the_call() -> Iterator[None]:
     first: `gc.freeze()` and `gc.unfreeze()` only move lists). In a process frozen for its life
     (`freeze_long_lived`) nothing is done. A freeze someone else made before is undone with
     this one at the end: CPython thaws all or nothing, and waiting for it would leave the call
-    open to full scans (on the GPU host something had frozen 375 objects by the time the engine
-    was warm, and a full collection inside the call then took 215 ms). A freeze is only a hint
-    to the collector: their objects are scanned again, nothing else changes."""
+    open to full scans (on the GPU host something had frozen a few objects by the time the
+    engine was warm, and the offline engine's 170 ms steps stayed). A freeze is only a hint to
+    the collector: their objects are scanned again, nothing else changes."""
     if _frozen_for_life:
         yield
         return

@@ -56,7 +56,7 @@ def test_a_process_frozen_for_its_life_stays_frozen():
 
 
 def test_a_librarys_freeze_does_not_leave_the_call_open_to_full_scans():
-    """Something froze a few objects before (on the GPU host, 375 of them by the time the
+    """Something froze a few objects before (on the GPU host, something had by the time the
     engine was warm): the call still freezes everything alive."""
     library = []
     gc.freeze()
