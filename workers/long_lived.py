@@ -16,7 +16,7 @@ An engine run in its caller's process (`LLM.generate`, a batch job's) cannot fre
 the process may drop the engine and build another. `frozen_for_the_call()` freezes what is
 alive when the call starts and thaws it when the call ends: inside the call a full collection
 scans only what the call allocated. Without it, the offline engine at 128 sequences (null
-executor, 2-core box) ran two full collections of 112-115 ms in each 2.4 s pass
+executor, 2-core box) ran two full collections of 99-111 ms in each 2.4 s pass
 (`benchmarks/bench_gc.py`), and on the GPU hosts one decode step of each such pass took
 166-273 ms (BENCHMARKS.md, session 41).
 """
