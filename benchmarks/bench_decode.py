@@ -333,7 +333,7 @@ def transformers_step_ms(model, config, prompt_len: int = 1024, new_tokens: int 
 
     with torch.device("meta"):
         hf = HF(config)
-    ours = dict(model.named_parameters())
+    ours = dict(model.named_parameters(remove_duplicate=False))  # shared experts under each name
     for name, _ in list(hf.named_parameters()) + list(hf.named_buffers()):
         if "rotary_emb" in name:
             continue
@@ -606,6 +606,13 @@ def main() -> None:
         help="with --fp8: scales as powers of two (DeepSeek-V3.1 and later, V3.2 included) or "
         "amax / 448 (DeepSeek-V3)",
     )
+    ap.add_argument(
+        "--share-experts",
+        action="store_true",
+        help="every MoE layer (the MTP layer's too) holds the first one's routed-expert tensors: "
+        "the bf16 slice (~97 GB) then fits an 80 GB GPU. A step still reads each layer's experts "
+        "from HBM (gigabytes a layer against tens of MB of L2); compare runs with the same flag",
+    )
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument(
@@ -758,11 +765,21 @@ def run_tp(world: int, layers: int) -> dict[tuple[int, int], float]:
 def run_single(args, emit, bw: float) -> None:
     """The single-GPU tables."""
     config = slice_config(args.layers)
-    if args.fp8 and args.fp8_scales == "ue8m0":
-        # Built FP8 module by module: the slice in bf16 first (~97 GB) fits no 80 GB GPU.
+    if args.share_experts and args.fp8 and args.fp8_scales != "ue8m0":
+        raise SystemExit("--share-experts builds FP8 with UE8M0 scales only (--fp8-scales ue8m0)")
+    if args.share_experts or (args.fp8 and args.fp8_scales == "ue8m0"):
+        # Built module by module: the slice in bf16 first (~97 GB) fits no 80 GB GPU, and in
+        # bf16 with its experts shared it does.
         from benchmarks.bench_rank_shard import build_shard
 
-        model = build_shard(config, CUDA, lambda line: None, topk_source=None)
+        model = build_shard(
+            config,
+            CUDA,
+            lambda line: None,
+            topk_source=None,
+            fp8=args.fp8,
+            share_experts=args.share_experts,
+        )
         converted = sum(
             p.dtype == torch.float8_e4m3fn
             for n, p in model.named_parameters()
@@ -780,6 +797,7 @@ def run_single(args, emit, bw: float) -> None:
             if args.fp8
             else ""
         )
+        + (", every MoE layer on the first one's routed experts" if args.share_experts else "")
     )
     bench = DecodeBench(model, max(BATCHES), max(CONTEXTS))
     if args.profile and args.prefill_only:

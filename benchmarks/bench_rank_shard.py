@@ -143,32 +143,46 @@ def _fill_random(name: str, p: torch.Tensor, params: dict, gen: torch.Generator)
 
 
 @torch.no_grad()
-def build_shard(config, device: torch.device, progress=print, topk_source: int | None = RANK):
+def build_shard(
+    config,
+    device: torch.device,
+    progress=print,
+    topk_source: int | None = RANK,
+    fp8: bool = True,
+    share_experts: bool = False,
+):
     """Rank RANK's modules at the simulated rank's sizes (call inside `simulated_rank`), built
-    on the meta device, made FP8 as DeepSeek ships them, then given random values on `device`
-    module by module (nothing of its size ever on the host, nor in bf16). `topk_source`: the TP
-    rank whose indexer picks for all (None: each rank its own, as at TP=1)."""
+    on the meta device, made FP8 as DeepSeek ships them (`fp8`; else every weight bf16), then
+    given random values on `device` module by module (nothing of its size ever on the host, nor
+    in bf16 where it is FP8). `topk_source`: the TP rank whose indexer picks for all (None: each
+    rank its own, as at TP=1). `share_experts`: every MoE layer (the MTP layer's too) holds the
+    first one's routed-expert tensors, so a slice whose experts would not fit a GPU does (a step
+    still reads each layer's experts from HBM: one layer's are gigabytes, L2 tens of MB)."""
     from workers.loader import scales_loaded
     from workers.memory_plan import use_fp8_as_shipped
-    from workers.model import DeepseekV32ForCausalLM, Rotary
+    from workers.model import DeepseekV32ForCausalLM, Experts, Rotary
 
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config, dtype=BF16, with_mtp=True)
-    use_fp8_as_shipped(model)
-    model.to_empty(device=device)
-    model.rotary = Rotary(config).to(device)  # to_empty left its computed buffer uninitialized
+    if fp8:
+        use_fp8_as_shipped(model)
+    if share_experts:
+        share_routed_experts(model)
+    materialize(model, device)
+    model.rotary = Rotary(config).to(device)  # left uninitialized: its buffer is computed
     model.set_topk_source(topk_source)
-    for p in model.parameters():
-        p.requires_grad_(False)
     gen = torch.Generator(device).manual_seed(0)
     params = dict(model.named_parameters())
     layers = model.model.layers
     parts = [("model.embed_tokens", model.model.embed_tokens)]
     parts += [(f"model.layers.{i}", layer) for i, layer in enumerate(layers)]
     parts += [("model.norm", model.model.norm), ("lm_head", model.lm_head), ("mtp", model.mtp)]
-    started, made = time.perf_counter(), 0
+    started, made, filled = time.perf_counter(), 0, set()
     for prefix, module in parts:
         for name, p in module.named_parameters(prefix=prefix):
+            if id(p) in filled:  # a shared expert tensor, made once
+                continue
+            filled.add(id(p))
             _fill_random(name, p, params, gen)
             made += p.numel() * p.element_size()
         i = int(prefix.rsplit(".", 1)[1]) + 1 if prefix.startswith("model.layers.") else None
@@ -179,11 +193,44 @@ def build_shard(config, device: torch.device, progress=print, topk_source: int |
             )
     model.mtp.embed_tokens = model.model.embed_tokens  # tied as the loader ties them
     model.mtp.shared_head.head = model.lm_head
-    scales_loaded(model)
+    if fp8:
+        scales_loaded(model)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    progress(f"  shard made (MTP layer included): {made / 1e9:.2f} GB")
+    shared = sum(isinstance(m, Experts) for m in model.modules()) if share_experts else 0
+    progress(
+        f"  shard made (MTP layer included): {made / 1e9:.2f} GB"
+        + (f", {shared} MoE layers on one set of routed experts" if shared else "")
+    )
     return model.eval()
+
+
+def share_routed_experts(model) -> None:
+    """Every `Experts` module after the first holds the first one's tensors (weights and FP8
+    scales): same shapes, dtypes and layout, one copy in memory."""
+    from workers.model import Experts
+
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    for other in experts[1:]:
+        for name, tensor in experts[0].named_parameters(recurse=False):
+            setattr(other, name, tensor)
+
+
+def materialize(model, device: torch.device) -> None:
+    """`model.to_empty(device=device)` that keeps a tensor shared between modules shared (to_empty
+    gives each holder a copy of its own). Parameters stay frozen."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    empty = torch.empty_like(tensor, device=device)
+                    if isinstance(tensor, torch.nn.Parameter):
+                        empty = torch.nn.Parameter(empty, requires_grad=False)
+                    made[id(tensor)] = empty
+                table[key] = made[id(tensor)]
 
 
 def bytes_by_dtype(model) -> dict[str, int]:

@@ -106,3 +106,56 @@ def test_floor_reads_the_touched_experts_and_the_kv(tiny_run):
     assert floor["weights"] == pytest.approx(other + experts * 4 / 16 + head + 256 * 2)
     # per layer: min(index_topk, 64) = 16 latent rows of 128 + 64, and 64 indexer keys of 64
     assert floor["kv"] == 2 * (16 * (128 + 64) * 2 + 64 * 64 * 2)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_shared_experts_compute_what_the_same_weights_held_apart_do(fp8):
+    """`share_experts` (bench_decode's --share-experts, for a bf16 slice that fits no 80 GB GPU
+    otherwise): every MoE layer holds the first one's expert tensors, one copy, and the
+    forward's logits are those of a model that holds copies of them in every layer."""
+    from workers.attention_metadata import AttentionMetadata
+    from workers.kv_cache import allocate_kv_caches
+    from workers.model import DeepseekV32ForCausalLM, Experts
+
+    config = bench.shard_config(tiny=True)
+    cpu = torch.device("cpu")
+    shared = bench.build_shard(
+        config, cpu, progress=lambda _: None, topk_source=None, fp8=fp8, share_experts=True
+    )
+    experts = [m for m in shared.modules() if isinstance(m, Experts)]
+    assert len(experts) == 2  # layer 1 and the MTP layer
+    assert experts[0].w13 is experts[1].w13 and experts[0].w2 is experts[1].w2
+    assert (experts[0].w13.dtype == torch.float8_e4m3fn) == fp8
+    assert (experts[0].w13_scale_inv is experts[1].w13_scale_inv) if fp8 else True
+    alone = bench.build_shard(config, cpu, progress=lambda _: None, topk_source=None, fp8=fp8)
+    held = bench.bytes_by_dtype(alone)
+    dtype = "float8_e4m3fn" if fp8 else "bfloat16"
+    one_set = sum(
+        p.numel() * p.element_size()
+        for p in experts[0].parameters()
+        if str(p.dtype).removeprefix("torch.") == dtype
+    )
+    assert bench.bytes_by_dtype(shared)[dtype] == held[dtype] - one_set
+    # the same values held apart: every name's tensor copied into a model of its own
+    apart = bench.build_shard(config, cpu, progress=lambda _: None, topk_source=None, fp8=fp8)
+    state = shared.state_dict(keep_vars=False)
+    apart.load_state_dict({k: v.clone() for k, v in state.items()})
+    apart_experts = [m for m in apart.modules() if isinstance(m, Experts)]
+    assert apart_experts[0].w13.data_ptr() != apart_experts[1].w13.data_ptr()
+    assert torch.equal(apart_experts[1].w13.float(), experts[0].w13.float())
+    torch.manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (40,))
+    logits = []
+    for model in (shared, apart):
+        assert isinstance(model, DeepseekV32ForCausalLM)
+        model.bind_caches(*allocate_kv_caches(config, 1, 64, bench.BF16, "cpu", with_mtp=True))
+        meta = AttentionMetadata(
+            torch.arange(40),
+            torch.arange(40),
+            torch.zeros(40, dtype=torch.int64),
+            torch.zeros(1, 1, dtype=torch.int32),
+        )
+        with torch.no_grad():
+            logits.append(model.compute_logits(model(ids, meta)).float())
+    assert torch.isfinite(logits[0]).all() and logits[0].abs().max() > 0
+    assert torch.equal(logits[0], logits[1])
