@@ -782,7 +782,7 @@ def run_single(args, emit, bw: float) -> None:
         )
         converted = sum(
             p.dtype == torch.float8_e4m3fn
-            for n, p in model.named_parameters()
+            for n, p in model.named_parameters(remove_duplicate=False)  # shared: each layer's
             if n.endswith(("weight", "w13"))
         )
     else:

@@ -26,6 +26,9 @@ the layer's floor: the FP8 bytes of the experts hit plus x and the output at the
 and its FLOPs at the FP8 and bf16 dense GEMM rates measured here (torch._scaled_mm, matmul).
 --moe --sweep: tile configs of the w8a8 grouped kernels per token count, then the one nearest
 every count's best (geometric mean), as a literal for W8A8_CONFIG.
+--moe --sweep-down: the down GEMM's own tile (W8A8_DOWN_CONFIG: block_n, warps, stages; block_m
+is the layout's) with the gate/up tile as shipped, per token count, with each layer's time
+against its HBM floor; then the nearest every count's best, as a literal for W8A8_DOWN_CONFIG.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from kernels.fp8_linear import (
     fp8_linear_triton,
 )
 from kernels.moe_experts import GroupedGemmConfig, grouped_moe_triton
-from kernels.moe_experts_w8a8 import grouped_moe_w8a8_triton
+from kernels.moe_experts_w8a8 import W8A8_CONFIG, W8A8_DOWN_CONFIG, grouped_moe_w8a8_triton
 from kernels.moe_routing import moe_route_triton
 
 SHAPES = {
@@ -460,6 +463,56 @@ def moe_sweep(tokens: list[int]) -> None:
     print(f"W8A8_CONFIG = {pick!r}")
 
 
+def moe_down_candidates() -> list[GroupedGemmConfig]:
+    return [
+        GroupedGemmConfig(W8A8_CONFIG.block_m, block_n, 128, warps, stages)
+        for block_n, (warps, stages) in itertools.product(
+            (64, 128, 256), ((4, 3), (4, 4), (8, 3), (8, 4), (8, 5))
+        )
+    ]
+
+
+def moe_down_sweep(tokens: list[int], bw: float) -> None:
+    """The down GEMM's tile over `moe_down_candidates`, gate/up as shipped; every config's output
+    against the shipped one's (the down tile changes no product's rounding: 0 expected)."""
+    w13, w2, w13_scale, w2_scale = moe_experts()
+    expert_bytes = 3 * MOE_INTER * MOE_HIDDEN
+    runs: list[dict] = []
+    print(
+        "| tokens | shipped ms | x floor | best ms | x floor | down config "
+        "| every config vs shipped, max diff / max |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for t in tokens:
+        x, weights, ids = moe_step(t)
+        args = (x, w13, w2, weights, ids, 0, w13_scale, w2_scale)
+        reference = grouped_moe_w8a8_triton(*args).float()
+        scale = reference.abs().max().item()
+        floor_us = ids.unique().numel() * expert_bytes / bw * 1e6
+        timings: dict = {}
+        worst = 0.0
+        for down in moe_down_candidates():
+            try:
+                run = partial(grouped_moe_w8a8_triton, *args, W8A8_CONFIG, down)
+                worst = max(worst, (run().float() - reference).abs().max().item() / scale)
+                timings[down] = graph_us(run)
+            except Exception as error:  # OutOfResources and friends: not this config
+                print(f"  skipped {_short_grouped(down)}: {type(error).__name__}")
+        runs.append(timings)
+        best = min(timings, key=timings.get)
+        shipped = graph_us(partial(grouped_moe_w8a8_triton, *args))
+        print(
+            f"| {t} | {shipped / 1e3:.3f} | {shipped / floor_us:.2f} | {timings[best] / 1e3:.3f} "
+            f"| {timings[best] / floor_us:.2f} | {_short_grouped(best)} | {worst:.1e} |",
+            flush=True,
+        )
+        ranked = sorted(timings, key=timings.get)[:5]
+        print("  fastest: " + ", ".join(f"{_short_grouped(c)} {timings[c]:.0f} us" for c in ranked))
+    pick = _nearest_every_best(runs)
+    print(f"\n# kernels/moe_experts_w8a8.py (shipped {W8A8_DOWN_CONFIG!r}):")
+    print(f"W8A8_DOWN_CONFIG = {pick!r}")
+
+
 def _short_grouped(config: GroupedGemmConfig) -> str:
     return f"m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages}"
 
@@ -478,6 +531,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="tile configs per (projection, M)")
     ap.add_argument("--moe", action="store_true", help="one MoE layer's FP8 experts instead")
     ap.add_argument(
+        "--sweep-down", action="store_true", help="with --moe: the down GEMM's tile alone"
+    )
+    ap.add_argument(
         "--shapes", nargs="+", default=None, help="projection name prefixes, e.g. q_a o_proj"
     )
     args = ap.parse_args()
@@ -488,7 +544,9 @@ def main() -> None:
     }
     bw = copy_bandwidth_gbs() * 1e9  # bytes/s, the same measure as bench_decode's floor
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
-    if args.moe and args.sweep:
+    if args.moe and args.sweep_down:
+        moe_down_sweep(args.tokens or list(MOE_TOKENS), bw)
+    elif args.moe and args.sweep:
         moe_sweep(args.tokens or list(MOE_TOKENS))
     elif args.moe:
         moe_table(args.tokens or list(MOE_TOKENS), bw)

@@ -37,6 +37,10 @@ from kernels.platform import tl, triton, triton_interpreter
 # --sweep`, BENCHMARKS.md, session 11) found this the fastest of 24 tiles at 512, 2048 and 8192
 # tokens; four stages instead of three: 5-8% at 512 and 2048 tokens.
 W8A8_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4)
+# The down GEMM's own tile (its block_m is the layout's, so W8A8_CONFIG's): its K is the
+# intermediate (16 steps at DeepSeek-V3.2's 2048) and its N the hidden size, where gate/up has
+# 56 K steps over 16 N tiles of both halves.
+W8A8_DOWN_CONFIG = W8A8_CONFIG
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
@@ -222,9 +226,12 @@ def grouped_moe_w8a8_triton(
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
     config: GroupedGemmConfig | None = None,
+    down_config: GroupedGemmConfig | None = None,
 ) -> torch.Tensor:
     """Triton twin of `kernels.moe_experts.grouped_moe_w8a8_reference`: x [T, hidden], FP8
-    experts with their scales (`check_fp8_scales`) -> [T, hidden] in x's dtype."""
+    experts with their scales (`check_fp8_scales`) -> [T, hidden] in x's dtype. `config`: the
+    gate/up tile (and the layout's block_m); `down_config`: the down GEMM's, with the same
+    block_m (None: `config` where one is given, else W8A8_DOWN_CONFIG)."""
     device = x.device
     num_tokens, hidden, num_local_experts, intermediate, top_k = check_moe_args(
         x, w13, w2, topk_weights, topk_ids, (FP8_DTYPE,)
@@ -233,10 +240,16 @@ def grouped_moe_w8a8_triton(
         raise ValueError("w8a8 experts need w13_scale and w2_scale")
     check_tensor("w13_scale", w13_scale, last_dim_contiguous=False, device=device)
     check_tensor("w2_scale", w2_scale, last_dim_contiguous=False, device=device)
+    down_config = down_config or config or W8A8_DOWN_CONFIG
     config = config or W8A8_CONFIG
     if config.block_k != FP8_BLOCK or config.block_n % FP8_BLOCK:
         raise ValueError(
             f"w8a8 experts need block_k {FP8_BLOCK} and block_n a multiple of it, got {config}"
+        )
+    if down_config.block_k != FP8_BLOCK or down_config.block_m != config.block_m:
+        raise ValueError(
+            f"the down GEMM's tile needs block_k {FP8_BLOCK} and the layout's block_m "
+            f"{config.block_m}, got {down_config}"
         )
     num_pairs = num_tokens * top_k
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=device)  # [T * top_k, hidden]
@@ -252,15 +265,18 @@ def grouped_moe_w8a8_triton(
     h_scale = torch.empty(
         num_rows, triton.cdiv(intermediate, FP8_BLOCK), dtype=torch.float32, device=device
     )
-    meta = dict(
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=FP8_BLOCK,
-        ROUND_DTYPE=_tl_dtype(x.dtype),
-        UPCAST_DOT=triton_interpreter(),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+
+    def meta(tile: GroupedGemmConfig) -> dict:
+        return dict(
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=FP8_BLOCK,
+            ROUND_DTYPE=_tl_dtype(x.dtype),
+            UPCAST_DOT=triton_interpreter(),
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+        )
+
     launch(
         _moe_gate_up_w8a8_kernel,
         (num_blocks, triton.cdiv(intermediate, config.block_n)),
@@ -283,11 +299,11 @@ def grouped_moe_w8a8_triton(
         hidden,
         intermediate,
         TOP_K=top_k,
-        **meta,
+        **meta(config),
     )
     launch(
         _moe_down_w8a8_kernel,
-        (num_blocks, triton.cdiv(hidden, config.block_n)),
+        (num_blocks, triton.cdiv(hidden, down_config.block_n)),
         x,
         hq,
         h_scale,
@@ -305,7 +321,7 @@ def grouped_moe_w8a8_triton(
         y.stride(0),
         hidden,
         intermediate,
-        **meta,
+        **meta(down_config),
     )
     launch_pair_sum(y, topk_ids, out, num_local_experts, first_expert)
     return out

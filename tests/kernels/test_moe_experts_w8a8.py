@@ -116,6 +116,24 @@ def test_w8a8_grouped_moe_matches_twin(
         assert held.numel() < num_local
 
 
+@needs_triton
+@pytest.mark.parametrize("block_n,warps", [(64, 4), (256, 8)])
+def test_the_down_gemms_own_tile_gives_the_same_bits(block_n, warps) -> None:
+    """`down_config` (W8A8_DOWN_CONFIG): another N tile and warp count for the down GEMM alone
+    change no product's rounding (each K step is still one 128-column scale block, in order),
+    so the output is the default's, bit for bit, and the twin's within its tolerance."""
+    num_tokens, hidden, intermediate, num_local, num_total, first_expert, top_k = CASES[2]
+    x, experts, weights, ids = _inputs(
+        num_tokens, hidden, intermediate, num_local, num_total, top_k, torch.float32
+    )
+    w13, w2, w13_scale, w2_scale = experts
+    args = (x, w13, w2, weights, ids, first_expert, w13_scale, w2_scale)
+    down = GroupedGemmConfig(W8A8_CONFIG.block_m, block_n, 128, warps, 2)
+    actual = grouped_moe_w8a8_triton(*args, config=W8A8_CONFIG, down_config=down)
+    assert torch.equal(actual, grouped_moe_w8a8_triton(*args, config=W8A8_CONFIG))
+    assert_close(actual, grouped_moe_w8a8_reference(*args), tolerances=W8A8_TOLERANCES)
+
+
 @pytest.mark.parametrize("dtype", W8A8_DTYPES)
 def test_tolerance_tells_w8a8_from_w8a16(dtype) -> None:
     """The same experts with activations left in x's dtype (the w8a16 twin) fail the w8a8
@@ -150,6 +168,15 @@ def test_w8a8_launcher_rejects_what_it_cannot_run() -> None:
             *(w13, w2, weights, ids, 0, w13_scale, w2_scale),
             config=GroupedGemmConfig(
                 block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2
+            ),
+        )
+    with pytest.raises(ValueError, match="layout's block_m"):  # one layout for both GEMMs
+        grouped_moe_w8a8_triton(
+            x,
+            *(w13, w2, weights, ids, 0, w13_scale, w2_scale),
+            config=W8A8_CONFIG,
+            down_config=GroupedGemmConfig(
+                block_m=2 * W8A8_CONFIG.block_m, block_n=128, block_k=128, num_warps=4, num_stages=2
             ),
         )
     with pytest.raises(ValueError, match="together"):
