@@ -39,8 +39,12 @@ from kernels.platform import tl, triton, triton_interpreter
 W8A8_CONFIG = GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4)
 # The down GEMM's own tile (its block_m is the layout's, so W8A8_CONFIG's): its K is the
 # intermediate (16 steps at DeepSeek-V3.2's 2048) and its N the hidden size, where gate/up has
-# 56 K steps over 16 N tiles of both halves.
-W8A8_DOWN_CONFIG = W8A8_CONFIG
+# 56 K steps over 16 N tiles of both halves. `bench_fp8_linear.py --moe --sweep-down` on an H100
+# (BENCHMARKS.md, session 42): a whole MoE layer at 512 / 2048 / 8192 tokens 4.38 / 5.79 /
+# 15.52 ms with W8A8_CONFIG's tile, 4.22 / 5.32 / 14.06 ms with this one (the same bits).
+W8A8_DOWN_CONFIG = GroupedGemmConfig(
+    block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=4
+)
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
