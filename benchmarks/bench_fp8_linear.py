@@ -24,8 +24,9 @@ intermediate 2048, top-8 of random router logits) at 512 / 2048 / 8192 tokens: w
 (kernels/moe_experts.py) against w8a8 (kernels/moe_experts_w8a8.py, its act_quant included), with
 the layer's floor: the FP8 bytes of the experts hit plus x and the output at the copy bandwidth,
 and its FLOPs at the FP8 and bf16 dense GEMM rates measured here (torch._scaled_mm, matmul).
---moe --sweep: tile configs of the w8a8 grouped kernels per token count, then the one nearest
-every count's best (geometric mean), as a literal for W8A8_CONFIG.
+--moe --sweep: tile configs of the w8a8 grouped kernels per token count (the gate/up tile and the
+layout's block_m; the down GEMM keeps W8A8_DOWN_CONFIG's N tile, warps and stages), then the one
+nearest every count's best (geometric mean), as a literal for W8A8_CONFIG.
 --moe --sweep-down: the down GEMM's own tile (W8A8_DOWN_CONFIG: block_n, warps, stages; block_m
 is the layout's) with the gate/up tile as shipped, per token count, with each layer's time
 against its HBM floor; then the nearest every count's best, as a literal for W8A8_DOWN_CONFIG.
@@ -34,6 +35,7 @@ against its HBM floor; then the nearest every count's best, as a literal for W8A
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 from functools import partial
@@ -440,8 +442,10 @@ def moe_sweep(tokens: list[int]) -> None:
         timings: dict = {}
         worst = 0.0
         for config in moe_w8a8_candidates():
+            # the down GEMM in its own shipped N tile, on this candidate's layout (block_m)
+            down = dataclasses.replace(W8A8_DOWN_CONFIG, block_m=config.block_m)
             try:
-                run = partial(grouped_moe_w8a8_triton, *args, config=config)
+                run = partial(grouped_moe_w8a8_triton, *args, config=config, down_config=down)
                 diff = (run().float() - reference).abs().max().item() / scale
                 worst = max(worst, diff)
                 timings[config] = graph_us(run)
