@@ -437,20 +437,14 @@ def moe_sweep(tokens: list[int]) -> None:
     for t in tokens:
         x, weights, ids = moe_step(t)
         args = (x, w13, w2, weights, ids, 0, w13_scale, w2_scale)
-        reference = grouped_moe_w8a8_triton(*args).float()
-        scale = reference.abs().max().item()
-        timings: dict = {}
-        worst = 0.0
-        for config in moe_w8a8_candidates():
-            # the down GEMM in its own shipped N tile, on this candidate's layout (block_m)
-            down = dataclasses.replace(W8A8_DOWN_CONFIG, block_m=config.block_m)
-            try:
-                run = partial(grouped_moe_w8a8_triton, *args, config=config, down_config=down)
-                diff = (run().float() - reference).abs().max().item() / scale
-                worst = max(worst, diff)
-                timings[config] = graph_us(run)
-            except Exception as error:  # OutOfResources and friends: not this config
-                print(f"  skipped {_short_grouped(config)}: {type(error).__name__}")
+        # the down GEMM in its own shipped N tile, on each candidate's layout (block_m)
+        timings, worst = _time_tiles(
+            args,
+            {
+                config: (config, dataclasses.replace(W8A8_DOWN_CONFIG, block_m=config.block_m))
+                for config in moe_w8a8_candidates()
+            },
+        )
         runs.append(timings)
         best = min(timings, key=timings.get)
         w8a16 = graph_us(partial(grouped_moe_triton, *args))
@@ -460,8 +454,7 @@ def moe_sweep(tokens: list[int]) -> None:
             f"| {shipped / 1e3:.3f} | {worst:.1e} |",
             flush=True,
         )
-        ranked = sorted(timings, key=timings.get)[:5]
-        print("  fastest: " + ", ".join(f"{_short_grouped(c)} {timings[c]:.0f} us" for c in ranked))
+        _print_fastest(timings)
     pick = _nearest_every_best(runs)
     print("\n# kernels/moe_experts_w8a8.py: nearest every token count's best (geometric mean)")
     print(f"W8A8_CONFIG = {pick!r}")
@@ -490,18 +483,10 @@ def moe_down_sweep(tokens: list[int], bw: float) -> None:
     for t in tokens:
         x, weights, ids = moe_step(t)
         args = (x, w13, w2, weights, ids, 0, w13_scale, w2_scale)
-        reference = grouped_moe_w8a8_triton(*args).float()
-        scale = reference.abs().max().item()
         floor_us = ids.unique().numel() * expert_bytes / bw * 1e6
-        timings: dict = {}
-        worst = 0.0
-        for down in moe_down_candidates():
-            try:
-                run = partial(grouped_moe_w8a8_triton, *args, W8A8_CONFIG, down)
-                worst = max(worst, (run().float() - reference).abs().max().item() / scale)
-                timings[down] = graph_us(run)
-            except Exception as error:  # OutOfResources and friends: not this config
-                print(f"  skipped {_short_grouped(down)}: {type(error).__name__}")
+        timings, worst = _time_tiles(
+            args, {down: (W8A8_CONFIG, down) for down in moe_down_candidates()}
+        )
         runs.append(timings)
         best = min(timings, key=timings.get)
         shipped = graph_us(partial(grouped_moe_w8a8_triton, *args))
@@ -510,11 +495,33 @@ def moe_down_sweep(tokens: list[int], bw: float) -> None:
             f"| {timings[best] / floor_us:.2f} | {_short_grouped(best)} | {worst:.1e} |",
             flush=True,
         )
-        ranked = sorted(timings, key=timings.get)[:5]
-        print("  fastest: " + ", ".join(f"{_short_grouped(c)} {timings[c]:.0f} us" for c in ranked))
+        _print_fastest(timings)
     pick = _nearest_every_best(runs)
     print(f"\n# kernels/moe_experts_w8a8.py (shipped {W8A8_DOWN_CONFIG!r}):")
     print(f"W8A8_DOWN_CONFIG = {pick!r}")
+
+
+def _time_tiles(args: tuple, tiles: dict) -> tuple[dict, float]:
+    """The w8a8 grouped experts on `args` with each {key: (gate/up tile, down tile)}: {key: us}
+    and the largest difference from the shipped tiles' output over its largest magnitude. A tile
+    that does not run here (OutOfResources and friends) is reported and left out."""
+    reference = grouped_moe_w8a8_triton(*args).float()
+    scale = reference.abs().max().item()
+    timings: dict = {}
+    worst = 0.0
+    for key, (config, down) in tiles.items():
+        try:
+            run = partial(grouped_moe_w8a8_triton, *args, config=config, down_config=down)
+            worst = max(worst, (run().float() - reference).abs().max().item() / scale)
+            timings[key] = graph_us(run)
+        except Exception as error:  # noqa: BLE001 - not this tile
+            print(f"  skipped {_short_grouped(key)}: {type(error).__name__}")
+    return timings, worst
+
+
+def _print_fastest(timings: dict) -> None:
+    ranked = sorted(timings, key=timings.get)[:5]
+    print("  fastest: " + ", ".join(f"{_short_grouped(c)} {timings[c]:.0f} us" for c in ranked))
 
 
 def _short_grouped(config: GroupedGemmConfig) -> str:
