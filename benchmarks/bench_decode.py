@@ -214,7 +214,10 @@ class DecodeBench:
 
     def eager_step(self, batch: int, context: int, tokens_per_seq: int):
         """One eager forward of `tokens_per_seq` new tokens for each of `batch` sequences after
-        `context` cached ones, and the LM head on each sequence's last token."""
+        `context` cached ones, and the LM head on each sequence's last token. More than one
+        token a sequence is a step of prompt chunks: it runs inside `ops.prompt_step`, as the
+        model runner runs one (an FP8 model's matmuls then take w8a8 by default)."""
+        from kernels import ops
         from workers.attention_metadata import AttentionMetadata
 
         ids, positions, slots, tables = self.inputs(batch, context, tokens_per_seq)
@@ -223,7 +226,8 @@ class DecodeBench:
 
         @torch.no_grad()
         def step():
-            hidden = self.model(ids, AttentionMetadata(positions, slots, seq, tables))
+            with ops.prompt_step(tokens_per_seq > 1):
+                hidden = self.model(ids, AttentionMetadata(positions, slots, seq, tables))
             self.model.compute_logits(hidden if tokens_per_seq == 1 else hidden[last])
 
         return step

@@ -9,10 +9,11 @@
 #   bash benchmarks/gpu_decode_runs.sh linears  # bench_linear_fp32 and bench_fp8_linear tables
 #   bash benchmarks/gpu_decode_runs.sh shard    # the real model's rank shard: its b = 1 step's kernels
 #                                               # and the experts its routers sent the rank
-#   bash benchmarks/gpu_decode_runs.sh prefill  # prefill tok/s, FP8 (w8a8 and w8a16) against bf16,
+#   bash benchmarks/gpu_decode_runs.sh prefill  # prefill tok/s, FP8 (the default w8a8 prompt
+#                                               # steps, and w8a16 everywhere) against bf16,
 #                                               # every slice with its experts shared (the bf16
 #                                               # slice then fits 80 GB), FP8 also without; then
-#                                               # the kernels of a chunk in w8a8 FP8 and in bf16
+#                                               # the kernels of a chunk in FP8 and in bf16
 set -euo pipefail
 part=${1:-decode}
 export PYTHONPATH=$PWD
@@ -38,11 +39,11 @@ case "$part" in
       grep -v -i warn ;;
   prefill)
     prefill() { echo "== $*"; python3 benchmarks/bench_decode.py --skip-transformers --prefill-only "$@" 2>&1 | grep -v -i warn; }
-    MTPSERVE_FP8_W8A8=1 prefill --fp8
-    MTPSERVE_FP8_W8A8=1 prefill --fp8 --share-experts
+    prefill --fp8
     prefill --fp8 --share-experts
+    MTPSERVE_FP8_W8A8=off prefill --fp8 --share-experts
     prefill --share-experts
-    MTPSERVE_FP8_W8A8=1 prefill --fp8 --share-experts --profile
+    prefill --fp8 --share-experts --profile
     prefill --share-experts --profile ;;
   *)
     echo "unknown part $part (tests, decode, profile, pdl, linears, shard, prefill)" >&2

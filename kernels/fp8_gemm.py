@@ -53,14 +53,17 @@ W8A8_CONFIGS: dict[int, Fp8TileConfig] = {
     2048: Fp8TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, split_target=1),
 }
 # Rows (tokens) from which kernels.ops.fp8_linear takes this path for bf16 / fp16 activations
-# when MTPSERVE_FP8_W8A8=1 (otherwise, and below it: the w8a16 kernel); kernels.ops.grouped_moe
+# where kernels.ops.use_fp8_w8a8 allows it (below it: the w8a16 kernel); kernels.ops.grouped_moe
 # takes the w8a8 experts (kernels/moe_experts_w8a8.py) from the same step size. The sweep above
 # has w8a8 faster from one row on (the projections' sum 191.6 against 228.8 us at M = 1), but
 # rounding activations to FP8 is a step function: a last-bit difference upstream can move a value
 # to the next FP8 step. On the H200 greedy MTP left plain greedy within 20 tokens in the FP8
-# engine test (tests/workers/test_gpu_engine.py) with w8a8 from 1 row and from 64 rows (a step's
-# size, and so its kernel, differs between the two runs), and kept it with w8a8 off: so it is
-# opt-in.
+# engine test (tests/workers/test_gpu_engine.py) with w8a8 in every step from 1 row and from 64
+# rows (a step's size, and so its kernel, differs between the two runs: a verify of k + 1 rows
+# a sequence against a decode of one), and kept it with w8a8 off. So by default only steps of
+# prompt tokens only take it (MTPSERVE_FP8_W8A8=prefill): every decode and verify keeps the
+# w8a16 kernels, and a prompt that is alone in its steps (one request, or all arriving together)
+# is prefilled by the same kernels with MTP and without. fp32 activations never take w8a8.
 W8A8_MIN_TOKENS = 64
 # Consecutive tile rows that walk the output columns together, so their weight tiles are read
 # from L2 rather than HBM when M spans several tiles.

@@ -7,6 +7,10 @@ implementation touches only this file.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 
 from kernels import deepgemm, platform
@@ -22,7 +26,7 @@ from kernels.cache_write import (
 )
 from kernels.fp8 import fp8_linear_reference
 from kernels.fp8_cache import fp8_cache_write_reference, fp8_cache_write_triton, is_fp8_cache
-from kernels.fp8_gemm import W8A8_MIN_TOKENS, fp8_linear_w8a8
+from kernels.fp8_gemm import W8A8_CONFIGS, W8A8_MIN_TOKENS, fp8_linear_w8a8
 from kernels.fp8_linear import fp8_linear_triton
 from kernels.fp8_mla_absorb import (
     absorb_out_reference,
@@ -80,11 +84,11 @@ def fp8_linear(
     partial products instead of weight elements.
 
     fp32 activations and few rows: the weight dequantized in registers (w8a16, the twin's exact
-    math). bf16 / fp16 activations with at least W8A8_MIN_TOKENS rows, on FP8 tensor cores:
-    the activations quantized per token and 128 columns, then the FP8 x FP8 GEMM (w8a8, the
-    activation twin `fp8_linear_act_quant_reference`; Triton, or cuBLASLt's block-scaled GEMM
-    for large row counts where it runs: `kernels.fp8_gemm.fp8_linear_w8a8`), when
-    MTPSERVE_FP8_W8A8=1.
+    math). bf16 / fp16 activations where `use_fp8_w8a8` says so (by default a prompt step of
+    at least W8A8_MIN_TOKENS rows on FP8 tensor cores): the activations quantized per token and
+    128 columns, then the FP8 x FP8 GEMM (w8a8, the activation twin
+    `fp8_linear_act_quant_reference`; Triton, or cuBLASLt's block-scaled GEMM for large row
+    counts where it runs: `kernels.fp8_gemm.fp8_linear_w8a8`).
     """
     if not use_triton(x.device):
         return fp8_linear_reference(x, weight, scale_inv)
@@ -118,15 +122,61 @@ def mla_absorb_out(
     return impl(o_latent, weight, scale_inv, nope_dim, pow2_scales)
 
 
+# Set by `prompt_step` around the forward of a step that carries prompt tokens only.
+_in_prompt_step: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "in_prompt_step", default=False
+)
+
+
+@contextlib.contextmanager
+def prompt_step(on: bool = True) -> Iterator[None]:
+    """The forward run inside is a step of prompt tokens only (prefill chunks, no decode or
+    verify rows): under MTPSERVE_FP8_W8A8=prefill (the default) its FP8 matmuls of enough rows
+    take the w8a8 kernels (`use_fp8_w8a8`). The model runner sets it (ModelRunner._forward)."""
+    token = _in_prompt_step.set(on)
+    try:
+        yield
+    finally:
+        _in_prompt_step.reset(token)
+
+
 def use_fp8_w8a8(x: torch.Tensor) -> bool:
     """Whether an FP8 matmul of these activations quantizes them to FP8: the one rule of the
-    linears (`fp8_linear`) and the routed experts (`grouped_moe`), x [tokens, ...] the step's."""
+    linears (`fp8_linear`) and the routed experts (`grouped_moe`), x [tokens, ...] the step's.
+
+    bf16 / fp16 activations, at least W8A8_MIN_TOKENS rows, FP8 tensor cores, and
+    MTPSERVE_FP8_W8A8: `prefill` (the default) inside `prompt_step`, `all` in any step, `off`
+    never. Decodes and verifies stay w8a16 by default, so a request's generated tokens take the
+    same kernels whatever else its step holds; prompt steps, where the GEMMs are compute bound,
+    run on the FP8 tensor cores (1.40x bf16's prefill tokens/s on the slice, BENCHMARKS.md)."""
+    mode = settings().fp8_w8a8
     return (
         x.dtype in (torch.bfloat16, torch.float16)
         and x.shape[0] >= W8A8_MIN_TOKENS
-        and settings().fp8_w8a8
+        and (mode == "all" or (mode == "prefill" and _in_prompt_step.get()))
         and fp8_tensor_cores(x.device)
     )
+
+
+def w8a8_prompt_rows(device: torch.device) -> int | None:
+    """The step size (tokens) from which a prompt-only step's FP8 matmuls take w8a8 on this
+    device by default, or None where none does (MTPSERVE_FP8_W8A8 not `prefill`, no FP8 tensor
+    cores, no Triton). The model runner runs such steps eagerly: the decode graphs it would
+    otherwise replay hold the w8a16 kernels."""
+    if settings().fp8_w8a8 != "prefill" or not use_triton(device):
+        return None
+    return W8A8_MIN_TOKENS if fp8_tensor_cores(device) else None
+
+
+def w8a8_warm_up_rows() -> tuple[int, ...]:
+    """Step sizes whose prompt steps compile every w8a8 variant a prompt step can pick: each
+    row bucket of the w8a8 linear's tiles from W8A8_MIN_TOKENS on at its top and one below it
+    (Triton specializes a row count divisible by 16, and the launchers pick tiles, split-K and
+    cuBLASLt by rows; the grouped MoE's pairs follow the tokens)."""
+    rows = set()
+    for top in W8A8_CONFIGS:
+        rows.update(n for n in (top - 1, top) if n >= W8A8_MIN_TOKENS)
+    return tuple(sorted(rows))
 
 
 def add_rms_norm(
@@ -309,9 +359,9 @@ def grouped_moe(
 
     FP8 experts take the w8a8 kernels (x and the intermediate quantized per token in 1x128
     groups, both GEMMs on FP8 tensor cores; twin `grouped_moe_w8a8_reference`) where
-    `use_fp8_w8a8` says so, as the FP8 linears do: opt-in, steps of W8A8_MIN_TOKENS tokens or
-    more (with top-8, past the decode-sized DECODE_MAX_PAIRS); else weights dequantized in
-    registers against x's dtype (w8a16).
+    `use_fp8_w8a8` says so, as the FP8 linears do: by default prompt steps of W8A8_MIN_TOKENS
+    tokens or more (with top-8, past the decode-sized DECODE_MAX_PAIRS); else weights
+    dequantized in registers against x's dtype (w8a16).
     """
     fp8 = w13_scale is not None or w2_scale is not None
     if not use_triton(x.device):

@@ -6,10 +6,13 @@
   kernel whose early launch costs more than it gains: `benchmarks/bench_decode.py
   --pdl-per-kernel`);
 - `MTPSERVE_FORCE_REFERENCE=1` (`force_reference`): every op runs its pure-torch twin;
-- `MTPSERVE_FP8_W8A8=1` (`fp8_w8a8`): FP8 linears and FP8 routed experts quantize bf16 / fp16
-  activations to FP8 per token and 128 columns in steps of `W8A8_MIN_TOKENS` tokens or more
-  (faster prefill; a step's numerics then depend on its size: see kernels/fp8_gemm.py). Off: the
-  w8a16 kernels;
+- `MTPSERVE_FP8_W8A8` (`fp8_w8a8`, one of `W8A8_MODES`): where FP8 linears and FP8 routed
+  experts quantize bf16 / fp16 activations to FP8 per token and 128 columns (w8a8, on FP8 tensor
+  cores) instead of dequantizing the weights (w8a16). Both only in steps of `W8A8_MIN_TOKENS`
+  tokens or more (kernels/fp8_gemm.py). `prefill` (unset: the default) in steps that carry
+  prompt tokens only (`kernels.ops.prompt_step`), so decodes and verifies keep one kernel
+  whatever the batch; `all` (or 1 / true / yes / on) in every such step; `off` (or 0 / false /
+  no) never;
 - `TRITON_INTERPRET=1` (`triton_interpret`): Triton's interpreter runs the kernels (no PDL);
 - `TRITON_CACHE_DIR` (`triton_cache_dir`): where compiled kernels go (unset: under
   `cache_home`, `kernels.platform.ensure_triton_cache_dir`);
@@ -28,9 +31,30 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return env.get(name, "").strip().lower() in _ON
+
+
+W8A8_MODES = ("prefill", "all", "off")
+
+
+def _w8a8_mode(env: Mapping[str, str]) -> str:
+    """MTPSERVE_FP8_W8A8 -> one of W8A8_MODES; ValueError for anything else (a typo must not
+    silently pick a kernel)."""
+    value = env.get("MTPSERVE_FP8_W8A8", "").strip().lower()
+    if value in ("", "prefill"):
+        return "prefill"
+    if value in _ON or value == "all":
+        return "all"
+    if value in _OFF:
+        return "off"
+    raise ValueError(
+        f"MTPSERVE_FP8_W8A8={value!r}: expected prefill (the default), all (or 1) or off (or 0)"
+    )
 
 
 @dataclass(frozen=True)
@@ -38,7 +62,7 @@ class Settings:
     disable_pdl: bool
     pdl_off_kernels: frozenset[str]
     force_reference: bool
-    fp8_w8a8: bool
+    fp8_w8a8: str  # one of W8A8_MODES
     triton_interpret: bool
     triton_cache_dir: str | None  # as the user set it; None: unset
     cache_home: str  # mtpserve's cache directory (the tiny model, compiled kernels)
@@ -53,7 +77,7 @@ class Settings:
             )
             - {""},
             force_reference=_flag(env, "MTPSERVE_FORCE_REFERENCE"),
-            fp8_w8a8=_flag(env, "MTPSERVE_FP8_W8A8"),
+            fp8_w8a8=_w8a8_mode(env),
             triton_interpret=_flag(env, "TRITON_INTERPRET"),
             triton_cache_dir=env.get("TRITON_CACHE_DIR") or None,
             cache_home=os.path.join(base, "mtpserve"),

@@ -80,6 +80,15 @@ def verify_rows(seqs: list[SeqWork]) -> int | None:
     return None
 
 
+def carries_only_prompts(seqs: list[SeqWork]) -> bool:
+    """Every sequence of the step computes prompt tokens (prefill chunks, or a preempted
+    request's recompute), none a decode or a verify: no drafts, and each either samples nothing
+    (a chunk before the last) or computes more than the one token a decode does. A last chunk
+    of one token reads as a decode: such a step counts as not prompt-only, which errs towards
+    the decode kernels."""
+    return all(s.num_draft_tokens == 0 and (not s.samples or len(s.token_ids) > 1) for s in seqs)
+
+
 @dataclass
 class StepInput:
     seqs: list[SeqWork]

@@ -20,7 +20,14 @@ from kernels import ops
 from parallel.collectives import tp_broadcast
 from parallel.state import get_parallel_state
 from workers.attention_metadata import AttentionMetadata
-from workers.batch import SeqResult, SeqWork, StepInput, StepOutput, verify_rows
+from workers.batch import (
+    SeqResult,
+    SeqWork,
+    StepInput,
+    StepOutput,
+    carries_only_prompts,
+    verify_rows,
+)
 from workers.block_tables import BlockTables
 from workers.host_copy import start_copy_to_host
 from workers.kv_cache import CacheFormat, allocate_kv_caches, max_blocks_per_seq
@@ -93,6 +100,11 @@ class ModelRunner:
         # worker's warm-up turns this off for its dummy prefills, which are there to compile
         # the eager path's kernel variants.
         self.prefill_in_graphs = True
+        # From this many tokens a step of prompt tokens only runs eagerly inside
+        # `ops.prompt_step`, so an FP8 model's matmuls take the w8a8 kernels there (the graphs
+        # hold the w8a16 ones); None: never (no FP8 weights, or w8a8 not for prompt steps here).
+        holds_fp8 = any(getattr(m, "is_fp8", False) for m in model.modules())
+        self.w8a8_prompt_rows = ops.w8a8_prompt_rows(device) if holds_fp8 else None
         if device.type == "cuda" and cuda_graph_max_batch > 0:
             from workers.cuda_graph import DecodeGraphs
 
@@ -237,7 +249,8 @@ class ModelRunner:
         `tables`: each sequence's whole block table (`self.block_tables`)."""
         q = verify_rows(seqs)
         graphable = self._graphable(seqs, q)
-        graph_key = self._graph_key(seqs, graphable)
+        prompt_only = self._w8a8_prompt_step(seqs)
+        graph_key = None if prompt_only else self._graph_key(seqs, graphable)
         if graph_key is not None:
             layout = self.graphs.layout(*graph_key)
         else:
@@ -270,6 +283,7 @@ class ModelRunner:
             graphable=graphable,
             graph_key=graph_key,
             verify_rows=q,
+            prompt_only=prompt_only,
         )
 
     def _forward(self, batch: StepTensors) -> tuple[torch.Tensor, ...]:
@@ -286,7 +300,8 @@ class ModelRunner:
                 index = index.to(self.device, non_blocking=True)
                 logits, argmax = logits.index_select(0, index), argmax.index_select(0, index)
         else:
-            hidden = self.model(batch.input_ids, batch.meta)  # [T, hidden]
+            with ops.prompt_step(batch.prompt_only):
+                hidden = self.model(batch.input_ids, batch.meta)  # [T, hidden]
             rows = batch.logit_rows
             if not rows:
                 return hidden, None, None
@@ -488,6 +503,17 @@ class ModelRunner:
             return None
         num_tokens = sum(len(s.token_ids) for s in seqs)
         return (num_tokens, 1) if num_tokens <= self.graphs.max_rows else None
+
+    def _w8a8_prompt_step(self, seqs: list[SeqWork]) -> bool:
+        """A step of prompt tokens only, at least `w8a8_prompt_rows` of them: it runs eagerly
+        inside `ops.prompt_step`, so its FP8 matmuls take the w8a8 kernels (compute-bound
+        GEMMs on the FP8 tensor cores) whatever its size, not the w8a16 kernels a decode
+        graph's row bucket holds."""
+        return (
+            self.w8a8_prompt_rows is not None
+            and sum(len(s.token_ids) for s in seqs) >= self.w8a8_prompt_rows
+            and carries_only_prompts(seqs)
+        )
 
     def _graphable(self, seqs: list[SeqWork], q: int | None) -> bool:
         """Decode steps replay a CUDA graph: every sequence samples every one of its tokens'

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ops import warm_up_eager_kernels
+from kernels.ops import w8a8_warm_up_rows, warm_up_eager_kernels
 from kernels.platform import (
     ensure_triton_cache_dir,
     stop_watching_late_compiles,
@@ -334,38 +334,51 @@ class Worker:
         block that no request holds yet; the runner then forgets the dummy request. The
         prefills run eagerly even where a prefill step could replay the decode graph
         (`ModelRunner.prefill_in_graphs`): a chunk past the graphs' largest bucket still runs
-        the eager path."""
+        the eager path. Where prompt-only steps take the w8a8 kernels (an FP8 model,
+        `ModelRunner.w8a8_prompt_rows`), one prompt per w8a8 row bucket first
+        (`kernels.ops.w8a8_warm_up_rows`)."""
         block_size = self.runner.block_size
         table_slots = max_blocks_per_seq(self.max_seq_slots, block_size) * block_size
         max_prompt = table_slots - 1 - num_draft_tokens
         on_gpu = self.device.type == "cuda"
+        lengths = warm_up_prefill_lengths(block_size, on_gpu, max_prompt)
+        w8a8_rows = self.runner.w8a8_prompt_rows  # None: prompt steps take no other kernels
         self.runner.prefill_in_graphs = False
         try:
-            for num_tokens in warm_up_prefill_lengths(block_size, on_gpu, max_prompt):
-                num_blocks = -(-(num_tokens + 1 + num_draft_tokens) // block_size)
-                if num_blocks + 1 > self.num_kv_blocks:
-                    continue
-                block_ids = list(range(1, num_blocks + 1))
-                prefill = SeqWork(
-                    WARM_UP_REQUEST_ID, [0] * num_tokens, 0, block_ids, 0, samples=True
-                )
-                [result] = self.runner.execute(
-                    StepInput([prefill], num_draft_tokens, share_topk)
-                ).results
-                drafts = result.next_draft_token_ids
-                decode = SeqWork(
-                    WARM_UP_REQUEST_ID,
-                    result.sampled_token_ids[-1:] + drafts,
-                    num_tokens,
-                    block_ids,
-                    len(drafts),
-                    samples=True,
-                    sampling=WARM_UP_SAMPLING,
-                )
-                self.runner.execute(StepInput([decode], num_draft_tokens, share_topk))
-                self.runner.execute(StepInput([], finished_request_ids=[WARM_UP_REQUEST_ID]))
+            if w8a8_rows is not None:
+                # Prompt-only steps take the w8a8 kernels (ModelRunner._w8a8_prompt_step):
+                # every row bucket of theirs. Then the lengths below once more with w8a8 off,
+                # for the w8a16 variants of eager steps that mix prompts with decodes.
+                for num_tokens in sorted({min(n, max_prompt) for n in w8a8_warm_up_rows()}):
+                    self._warm_up_request(num_tokens, num_draft_tokens, share_topk)
+                self.runner.w8a8_prompt_rows = None
+            for num_tokens in lengths:
+                self._warm_up_request(num_tokens, num_draft_tokens, share_topk)
         finally:
             self.runner.prefill_in_graphs = True
+            self.runner.w8a8_prompt_rows = w8a8_rows
+
+    def _warm_up_request(self, num_tokens: int, num_draft_tokens: int, share_topk: bool) -> None:
+        """One dummy prompt of `num_tokens` (greedy), one decode after it (sampled), forgotten."""
+        block_size = self.runner.block_size
+        num_blocks = -(-(num_tokens + 1 + num_draft_tokens) // block_size)
+        if num_blocks + 1 > self.num_kv_blocks:
+            return
+        block_ids = list(range(1, num_blocks + 1))
+        prefill = SeqWork(WARM_UP_REQUEST_ID, [0] * num_tokens, 0, block_ids, 0, samples=True)
+        [result] = self.runner.execute(StepInput([prefill], num_draft_tokens, share_topk)).results
+        drafts = result.next_draft_token_ids
+        decode = SeqWork(
+            WARM_UP_REQUEST_ID,
+            result.sampled_token_ids[-1:] + drafts,
+            num_tokens,
+            block_ids,
+            len(drafts),
+            samples=True,
+            sampling=WARM_UP_SAMPLING,
+        )
+        self.runner.execute(StepInput([decode], num_draft_tokens, share_topk))
+        self.runner.execute(StepInput([], finished_request_ids=[WARM_UP_REQUEST_ID]))
 
     def ping(self) -> bool:
         return True

@@ -202,7 +202,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
         (True, BF16, W8A8_MIN_TOKENS - 1, "1", True, "w8a16"),
         (True, BF16, 1, "1", True, "w8a16"),  # decode steps
         (True, BF16, 32, "1", True, "w8a16"),
-        (True, BF16, 2048, "0", True, "w8a16"),  # the default: MTPSERVE_FP8_W8A8 unset
+        (True, BF16, 2048, "0", True, "w8a16"),
+        (True, BF16, 2048, "", True, "w8a8"),  # the default: prompt steps (the test's are)
         (True, FP32, 2048, "1", True, "w8a16"),  # fp32: the exact w8a16 math, always
         (True, BF16, 2048, "1", False, "bf16"),  # unquantized experts
         (False, BF16, 2048, "1", True, "twin"),
@@ -226,7 +227,10 @@ def test_grouped_moe_picks_w8a8_as_the_linears_do(
     monkeypatch.setattr(ops, "grouped_moe_w8a8_triton", spy("w8a8"))
     x = torch.zeros(num_tokens, 8, dtype=dtype)
     scales = (torch.ones(1, 2, 1, 1), torch.ones(1, 1, 1)) if fp8 else (None, None)
-    ops.grouped_moe(x, torch.zeros(1, 8, 8), torch.zeros(1, 8, 4), x[:, :1], x[:, :1], 0, *scales)
+    with ops.prompt_step():
+        ops.grouped_moe(
+            x, torch.zeros(1, 8, 8), torch.zeros(1, 8, 4), x[:, :1], x[:, :1], 0, *scales
+        )
+        if fp8 and triton_on:  # the FP8 linears of the same step take the same side
+            assert ops.use_fp8_w8a8(x) == (expect == "w8a8")
     assert called == [expect]
-    if fp8 and triton_on:  # the FP8 linears of the same step take the same side
-        assert ops.use_fp8_w8a8(x) == (expect == "w8a8")

@@ -78,20 +78,30 @@ def test_ops_dispatch_follows_use_triton(monkeypatch, triton_on) -> None:
 
 
 @pytest.mark.parametrize(
-    "triton_on, dtype, num_rows, enable, expect",
+    "triton_on, dtype, num_rows, mode, in_prompt, expect",
     [
-        (False, torch.bfloat16, 256, "1", "twin"),
-        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS, "1", "w8a8"),
-        (True, torch.float16, 2048, "1", "w8a8"),
-        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS - 1, "1", "w8a16"),
-        (True, torch.float32, 2048, "1", "w8a16"),  # fp32: the exact w8a16 math, always
-        (True, torch.bfloat16, 2048, "0", "w8a16"),  # the default: MTPSERVE_FP8_W8A8 unset
+        (False, torch.bfloat16, 256, "1", True, "twin"),
+        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS, "1", False, "w8a8"),
+        (True, torch.float16, 2048, "all", False, "w8a8"),
+        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS - 1, "1", True, "w8a16"),
+        (True, torch.float32, 2048, "1", True, "w8a16"),  # fp32: the exact w8a16 math, always
+        (True, torch.bfloat16, 2048, "0", True, "w8a16"),
+        (True, torch.bfloat16, 2048, "off", True, "w8a16"),
+        # the default (unset, or prefill): prompt steps only
+        (True, torch.bfloat16, 2048, "", True, "w8a8"),
+        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS, "prefill", True, "w8a8"),
+        (True, torch.bfloat16, 2048, "", False, "w8a16"),
+        (True, torch.bfloat16, ops.W8A8_MIN_TOKENS - 1, "", True, "w8a16"),
+        (True, torch.float32, 2048, "", True, "w8a16"),
     ],
 )
-def test_fp8_linear_dispatch(monkeypatch, triton_on, dtype, num_rows, enable, expect) -> None:
+def test_fp8_linear_dispatch(
+    monkeypatch, triton_on, dtype, num_rows, mode, in_prompt, expect
+) -> None:
     """Few rows or fp32 activations keep the w8a16 kernel; bf16 / fp16 with enough rows
-    quantize the activations (w8a8) when switched on."""
-    monkeypatch.setenv("MTPSERVE_FP8_W8A8", enable)
+    quantize the activations (w8a8) in prompt steps by default, in every step with `all`, in
+    none with `off`."""
+    monkeypatch.setenv("MTPSERVE_FP8_W8A8", mode)
     reload_settings()  # the code reads the environment once
     monkeypatch.setattr(ops, "use_triton", lambda device: triton_on)
     monkeypatch.setattr(ops, "fp8_tensor_cores", lambda device: True)
@@ -102,8 +112,74 @@ def test_fp8_linear_dispatch(monkeypatch, triton_on, dtype, num_rows, enable, ex
         ("fp8_linear_w8a8", "w8a8"),
     ):
         monkeypatch.setattr(ops, name, lambda *args, label=label, **kwargs: called.append(label))
-    ops.fp8_linear(torch.zeros(num_rows, 8, dtype=dtype), torch.zeros(4, 8), torch.ones(1, 1))
+    with ops.prompt_step(in_prompt):
+        ops.fp8_linear(torch.zeros(num_rows, 8, dtype=dtype), torch.zeros(4, 8), torch.ones(1, 1))
     assert called == [expect]
+
+
+def test_prompt_step_is_scoped() -> None:
+    """prompt_step holds inside its block only, nested blocks restore the outer value, and an
+    exception leaves it as it was."""
+    reload_settings()
+    x = torch.zeros(ops.W8A8_MIN_TOKENS, 8, dtype=torch.bfloat16)
+    seen = []
+    with ops.prompt_step():
+        seen.append(ops._in_prompt_step.get())
+        with ops.prompt_step(False):
+            seen.append(ops._in_prompt_step.get())
+        seen.append(ops._in_prompt_step.get())
+    with pytest.raises(RuntimeError), ops.prompt_step():
+        raise RuntimeError
+    seen.append(ops._in_prompt_step.get())
+    assert seen == [True, False, True, False]
+    assert not ops.use_fp8_w8a8(x)  # on this CPU: no FP8 tensor cores
+
+
+@pytest.mark.parametrize(
+    "value, mode",
+    [("", "prefill"), ("prefill", "prefill"), ("1", "all"), ("ALL", "all"), ("on", "all")]
+    + [("0", "off"), ("off", "off"), ("false", "off")],
+)
+def test_w8a8_modes(monkeypatch, value, mode) -> None:
+    monkeypatch.setenv("MTPSERVE_FP8_W8A8", value)
+    assert reload_settings().fp8_w8a8 == mode
+
+
+def test_a_w8a8_typo_is_an_error(monkeypatch) -> None:
+    monkeypatch.setenv("MTPSERVE_FP8_W8A8", "prefil")
+    with pytest.raises(ValueError, match="MTPSERVE_FP8_W8A8='prefil'"):
+        reload_settings()
+    monkeypatch.delenv("MTPSERVE_FP8_W8A8")
+    reload_settings()
+
+
+@pytest.mark.parametrize(
+    "mode, triton_on, fp8_cores, expect",
+    [
+        ("", True, True, ops.W8A8_MIN_TOKENS),
+        ("1", True, True, None),  # every step's size decides: nothing for the runner to do
+        ("0", True, True, None),
+        ("", False, True, None),
+        ("", True, False, None),
+    ],
+)
+def test_w8a8_prompt_rows(monkeypatch, mode, triton_on, fp8_cores, expect) -> None:
+    monkeypatch.setenv("MTPSERVE_FP8_W8A8", mode)
+    reload_settings()
+    monkeypatch.setattr(ops, "use_triton", lambda device: triton_on)
+    monkeypatch.setattr(ops, "fp8_tensor_cores", lambda device: fp8_cores)
+    assert ops.w8a8_prompt_rows(torch.device("cpu")) == expect
+
+
+def test_w8a8_warm_up_rows_meet_every_row_bucket() -> None:
+    """Every w8a8 tile bucket from W8A8_MIN_TOKENS on is met at its top and below it."""
+    rows = ops.w8a8_warm_up_rows()
+    assert min(rows) == ops.W8A8_MIN_TOKENS
+    tops = [t for t in sorted(fp8_gemm.W8A8_CONFIGS) if t >= ops.W8A8_MIN_TOKENS]
+    for low, top in zip([ops.W8A8_MIN_TOKENS - 1] + tops, tops):
+        inside = [n for n in rows if low < n <= top]
+        assert top in inside
+        assert top == ops.W8A8_MIN_TOKENS or any(n % 16 for n in inside)
 
 
 def test_fp8_linear_needs_fp8_tensor_cores(monkeypatch) -> None:

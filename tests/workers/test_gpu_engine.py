@@ -205,16 +205,26 @@ def test_gpu_fp8_weights_engine(tiny_model_dir, prompts, tmp_path, scales, heads
     assert mtp == plain
 
 
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
 @pytest.mark.parametrize("k", [0, 2])
-def test_gpu_nothing_compiles_after_warm_up(tiny_model_dir, k):
+def test_gpu_nothing_compiles_after_warm_up(tiny_model_dir, tmp_path, k, weights):
     """Warm before ready: prompts from 1 token to past two of the select's chunks of keys (so
     block tables 1, 2, 16 and more blocks wide, prefills above every tile threshold), 1 to 64 at
     once, greedy and sampled, in one engine after its warm-up: no Triton kernel compiles (or
-    loads) in a step, and the sampler's graphs were all captured before."""
+    loads) in a step, and the sampler's graphs were all captured before. With FP8 weights in
+    bf16, prompt-only steps take the w8a8 kernels at every row bucket and mixed steps the
+    w8a16 ones."""
     g = torch.Generator().manual_seed(1)
     lengths = [1, 2, 15, 16, 17, 63, 64, 65, 100, 129, 700, 1023, 1024, 1500, 2100, 3900]
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
-    llm = LLM(tiny_model_dir, device="cuda", num_draft_tokens=k, max_num_seqs=64)
+    model_dir = tiny_model_dir
+    if weights == "fp8":
+        from tests.workers.test_loader import _quantize_checkpoint, _rewrite
+
+        model_dir = _rewrite(tiny_model_dir, str(tmp_path / "fp8"), _quantize_checkpoint)
+    llm = LLM(model_dir, device="cuda", num_draft_tokens=k, max_num_seqs=64)
+    if weights == "fp8":
+        assert llm.engine.executor.worker.runner.w8a8_prompt_rows == ops.W8A8_MIN_TOKENS
     late = llm.engine.executor.worker.late_compiles
     assert late is not None and late.count == 0
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -12,8 +12,9 @@ import torch
 
 from cluster.llm import LLM
 from cluster.sampling_params import SamplingParams
+from kernels import ops
 from tests.workers.arrivals import generate_staggered, record_graph_keys
-from workers.batch import SeqWork
+from workers.batch import SeqWork, carries_only_prompts
 from workers.cuda_graph import DecodeGraphs, ProposeGraphs, SamplerGraphs
 from workers.sampler import NO_TOP_P
 from workers.step_tensors import StepLayout, pack_step
@@ -434,3 +435,53 @@ def test_proposals_behind_the_draw_are_the_host_decided_ones(tiny_model_dir, cor
         assert again == 0
     assert steps == expected_steps
     assert outputs == expected_outputs
+
+
+def test_prompt_only_steps_run_eagerly_in_a_prompt_step(tiny_model_dir):
+    """Where an FP8 model's prompt steps take the w8a8 kernels (`ModelRunner.w8a8_prompt_rows`,
+    set here as an FP8 model on an FP8-capable GPU has it): a step of prompt tokens only, at
+    least that many, runs its forward eagerly inside `ops.prompt_step`; decodes, steps that mix
+    a prompt with decodes and smaller prompt steps replay graphs outside it. Greedy tokens stay
+    the eager path's."""
+    g = torch.Generator().manual_seed(4)
+    lens = [40, 9, 41, 3, 30, 17, 5]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
+    params = [
+        SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    short = [torch.randint(3, 512, (5,), generator=g).tolist()]
+    eager = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", max_num_seqs=64)
+    expected = generate_staggered(eager, prompts, params, every=2)
+    expected_short = _generate(eager, short, params[:1])
+    graphed = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", max_num_seqs=64)
+    _with_cpu_graphs(graphed, max_batch=64)
+    runner = graphed.engine.executor.worker.runner
+    assert runner.w8a8_prompt_rows is None  # bf16 weights, CPU: nothing to switch
+    runner.w8a8_prompt_rows = 16
+    steps = []  # (prompt tokens only, tokens, graph key, prompt_step at each model call)
+    forward = runner._forward
+
+    def spy(batch):
+        inside = []
+        hook = runner.model.register_forward_pre_hook(
+            lambda module, args: inside.append(ops._in_prompt_step.get())
+        )
+        try:
+            return forward(batch)
+        finally:
+            hook.remove()
+            tokens = sum(len(s.token_ids) for s in batch.seqs)
+            steps.append((carries_only_prompts(batch.seqs), tokens, batch.graph_key, inside))
+
+    runner._forward = spy
+    assert generate_staggered(graphed, prompts, params, every=2) == expected
+    assert _generate(graphed, short, params[:1]) == expected_short
+    for only_prompts, tokens, key, inside in steps:
+        if only_prompts and tokens >= 16:
+            assert key is None and inside == [True]
+        else:
+            assert key is not None and inside == [False]
+    assert any(p and n >= 16 for p, n, _, _ in steps)  # the 40-token prompt, alone
+    assert any(not p and n > 1 and key for p, n, key, _ in steps)  # a prompt beside decodes
+    assert any(p and n == 5 for p, n, _, _ in steps)  # the short prompt, alone: a graph
