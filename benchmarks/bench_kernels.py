@@ -283,6 +283,53 @@ def sweep_sparse_mla(emit) -> None:
         setattr(sparse_mla, name, value)
 
 
+def sweep_sparse_mla_prefill(emit) -> None:
+    """Tiles of the split kernel for a 2048-token prefill chunk (one split: its programs write
+    the output), as the engine calls it (positions, rows of min(2048, p + 1) picks then -1), at
+    context 0, 8192 and 30000; heavy-first launches the last token first. Each config's output
+    against the shipped config's: the same bits, or the largest difference."""
+    from kernels import sparse_mla
+
+    names = (
+        "_MLA_BLOCK_H",
+        "_MLA_BLOCK_K",
+        "_MLA_NUM_WARPS",
+        "_MLA_NUM_STAGES",
+        "_MLA_HEAVY_FIRST",
+    )
+    saved = tuple(getattr(sparse_mla, n) for n in names)
+    contexts = (0, 8192, 30000)
+    cases = []
+    for context in contexts:
+        args, positions = sparse_mla_rows(True, 2048, context)
+        cases.append(functools.partial(sparse_mla_attention_triton, *args, positions))
+    shipped = [fn() for fn in cases]
+    emit()
+    with_pdl(True)
+    emit("sparse-MLA tiles, one 2048-token prefill chunk (graph replays, PDL on), us per call;")
+    emit("last column: against the shipped config's output (bits, or the largest difference)")
+    head = " | ".join(f"context {c}" for c in contexts)
+    emit(f"| BLOCK_H | BLOCK_K | warps | stages | heavy first | {head} | output |")
+    emit("|---|---|---|---|---|" + "---|" * len(contexts) + "---|")
+    tiles = ((64, 32, 8), (64, 64, 8), (64, 16, 4), (32, 64, 4), (32, 32, 4))
+    for (block_h, block_k, warps), stages, heavy in itertools.product(tiles, (1, 2, 3), (0, 1)):
+        config = (block_h, block_k, warps, stages, heavy)
+        for name, value in zip(names, config, strict=True):
+            setattr(sparse_mla, name, value)
+        try:
+            times = [f"{graph_time_us(fn, repeats=4, replays=3):.0f}" for fn in cases]
+            diffs = [
+                (fn().float() - want.float()).abs().max().item() for fn, want in zip(cases, shipped)
+            ]
+            output = "same bits" if max(diffs) == 0 else f"max diff {max(diffs):.2e}"
+        except Exception as error:  # OutOfResources and friends: not this config
+            times = [f"failed ({type(error).__name__})"] * len(contexts)
+            output = ""
+        emit(f"| {' | '.join(map(str, config))} | {' | '.join(times)} | {output} |")
+    for name, value in zip(names, saved, strict=True):
+        setattr(sparse_mla, name, value)
+
+
 def sparse_mla_rows(prefill: bool, tokens: int, context: int):
     """-> (sparse_mla_attention_triton's arguments without positions, positions): `tokens`
     rows as the indexer makes them (a token at p has min(2048, p + 1) picks, then -1) of a
@@ -389,6 +436,11 @@ def main() -> None:
     parser.add_argument(
         "--sweep-mla", action="store_true", help="only a sweep of sparse-MLA decode tile configs"
     )
+    parser.add_argument(
+        "--sweep-mla-prefill",
+        action="store_true",
+        help="only a sweep of sparse-MLA tile configs for a 2048-token prefill chunk",
+    )
     parser.add_argument("--select", action="store_true", help="only the long-context top-k table")
     parser.add_argument(
         "--mla-used",
@@ -425,6 +477,8 @@ def main() -> None:
         mla_used_entries_table(emit)
     elif args.sweep_mla:
         sweep_sparse_mla(emit)
+    elif args.sweep_mla_prefill:
+        sweep_sparse_mla_prefill(emit)
     else:
         kernel_tables(args, emit, copy)
     if args.out:

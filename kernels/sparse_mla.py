@@ -91,6 +91,10 @@ _MLA_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _MLA_NUM_WARPS = 8
 _MLA_NUM_STAGES = 2
 _MLA_PREFETCH = True  # the next tile's indices loaded ahead (bench_kernels.py --sweep-mla)
+# Steps of one split (prefill chunks, large batches) launch their last token first: a prefill
+# token's work grows with its position, so the heaviest programs start first and the short ones
+# fill the last wave (each program's output is the same bits in any order).
+_MLA_HEAVY_FIRST = True
 _MERGE_TILE = 4096  # partials per merge program: splits x latent columns
 
 
@@ -156,9 +160,13 @@ def _sparse_mla_split_kernel(
     DIRECT_OUT: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    if HEAVY_FIRST:
+        token = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        token = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -458,6 +466,7 @@ def sparse_mla_attention_triton(
         DIRECT_OUT=direct,
         HAS_POSITIONS=positions is not None,
         PREFETCH=_MLA_PREFETCH,
+        HEAVY_FIRST=direct and positions is not None and _MLA_HEAVY_FIRST,
         num_warps=_MLA_NUM_WARPS,
         num_stages=_MLA_NUM_STAGES,
     )
