@@ -285,18 +285,12 @@ def sweep_sparse_mla(emit) -> None:
 
 def sweep_sparse_mla_prefill(emit) -> None:
     """Tiles of the split kernel for a 2048-token prefill chunk (one split: its programs write
-    the output), as the engine calls it (positions, rows of min(2048, p + 1) picks then -1), at
-    context 0, 8192 and 30000; heavy-first launches the last token first. Each config's output
+    the output, with _MLA_DIRECT_BLOCK_K keys a step), as the engine calls it (positions, rows
+    of min(2048, p + 1) picks then -1), at context 0, 8192 and 30000. Each config's output
     against the shipped config's: the same bits, or the largest difference."""
     from kernels import sparse_mla
 
-    names = (
-        "_MLA_BLOCK_H",
-        "_MLA_BLOCK_K",
-        "_MLA_NUM_WARPS",
-        "_MLA_NUM_STAGES",
-        "_MLA_HEAVY_FIRST",
-    )
+    names = ("_MLA_BLOCK_H", "_MLA_DIRECT_BLOCK_K", "_MLA_NUM_WARPS", "_MLA_NUM_STAGES")
     saved = tuple(getattr(sparse_mla, n) for n in names)
     contexts = (0, 8192, 30000)
     cases = []
@@ -309,17 +303,18 @@ def sweep_sparse_mla_prefill(emit) -> None:
     emit("sparse-MLA tiles, one 2048-token prefill chunk (graph replays, PDL on), us per call;")
     emit("last column: against the shipped config's output (bits, or the largest difference)")
     head = " | ".join(f"context {c}" for c in contexts)
-    emit(f"| BLOCK_H | BLOCK_K | warps | stages | heavy first | {head} | output |")
-    emit("|---|---|---|---|---|" + "---|" * len(contexts) + "---|")
-    tiles = ((64, 32, 8), (64, 64, 8), (64, 16, 4), (32, 64, 4), (32, 32, 4))
-    for (block_h, block_k, warps), stages, heavy in itertools.product(tiles, (1, 2, 3), (0, 1)):
-        config = (block_h, block_k, warps, stages, heavy)
+    emit(f"| BLOCK_H | BLOCK_K | warps | stages | {head} | output |")
+    emit("|---|---|---|---|" + "---|" * len(contexts) + "---|")
+    tiles = ((64, 64, 8), (64, 32, 8), (64, 128, 8), (32, 64, 4), (32, 128, 8), (64, 64, 4))
+    for (block_h, block_k, warps), stages in itertools.product(tiles, (1, 2, 3)):
+        config = (block_h, block_k, warps, stages)
         for name, value in zip(names, config, strict=True):
             setattr(sparse_mla, name, value)
         try:
             times = [f"{graph_time_us(fn, repeats=4, replays=3):.0f}" for fn in cases]
             diffs = [
-                (fn().float() - want.float()).abs().max().item() for fn, want in zip(cases, shipped)
+                (fn().float() - want.float()).abs().max().item()
+                for fn, want in zip(cases, shipped, strict=True)
             ]
             output = "same bits" if max(diffs) == 0 else f"max diff {max(diffs):.2e}"
         except Exception as error:  # OutOfResources and friends: not this config

@@ -14,6 +14,7 @@
 #                                               # every slice with its experts shared (the bf16
 #                                               # slice then fits 80 GB), FP8 also without; then
 #                                               # the kernels of a chunk in FP8 and in bf16
+#   bash benchmarks/gpu_decode_runs.sh mla      # sparse-MLA tiles for a 2048-token prefill chunk
 set -euo pipefail
 part=${1:-decode}
 export PYTHONPATH=$PWD
@@ -45,7 +46,9 @@ case "$part" in
     prefill --share-experts
     prefill --fp8 --share-experts --profile
     prefill --share-experts --profile ;;
+  mla)
+    python3 benchmarks/bench_kernels.py --sweep-mla-prefill 2>&1 | grep -v -i warn ;;
   *)
-    echo "unknown part $part (tests, decode, profile, pdl, linears, shard, prefill)" >&2
+    echo "unknown part $part (tests, decode, profile, pdl, linears, shard, prefill, mla)" >&2
     exit 2 ;;
 esac

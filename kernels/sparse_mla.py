@@ -91,10 +91,12 @@ _MLA_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _MLA_NUM_WARPS = 8
 _MLA_NUM_STAGES = 2
 _MLA_PREFETCH = True  # the next tile's indices loaded ahead (bench_kernels.py --sweep-mla)
-# Steps of one split (prefill chunks, large batches) launch their last token first: a prefill
-# token's work grows with its position, so the heaviest programs start first and the short ones
-# fill the last wave (each program's output is the same bits in any order).
-_MLA_HEAVY_FIRST = True
+# Keys per step where the top-k is not split (prefill chunks, large batches: one program per
+# token and head block fills the GPU). A 2048-token chunk on the H100 (bench_kernels.py
+# --sweep-mla-prefill): 2.72 / 5.06 / 5.10 ms at context 0 / 8192 / 30000 against 3.49 / 6.57 /
+# 6.74 with _MLA_BLOCK_K (bf16); 3 stages of 64 keys run out of shared memory, and so would
+# fp32's 2, which keep _MLA_BLOCK_K.
+_MLA_DIRECT_BLOCK_K = 64
 _MERGE_TILE = 4096  # partials per merge program: splits x latent columns
 
 
@@ -160,13 +162,9 @@ def _sparse_mla_split_kernel(
     DIRECT_OUT: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
     PREFETCH: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if HEAVY_FIRST:
-        token = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        token = tl.program_id(0)
+    token = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -409,6 +407,8 @@ def sparse_mla_attention_triton(
     num_splits = min(
         max_splits, max(1, _MLA_TARGET_PROGRAMS // max(1, num_tokens * num_head_blocks))
     )
+    # fp32 tiles of _MLA_DIRECT_BLOCK_K keys would not fit shared memory at DeepSeek's width
+    block_k = _MLA_DIRECT_BLOCK_K if num_splits == 1 and q.element_size() <= 2 else _MLA_BLOCK_K
 
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=device)
     if num_tokens == 0:
@@ -455,7 +455,7 @@ def sparse_mla_attention_triton(
         BLOCK_H=block_h,
         BLOCK_L=block_l,
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-        BLOCK_K=_MLA_BLOCK_K,
+        BLOCK_K=block_k,
         UPCAST_DOT=dot_in_fp32(q.dtype),
         FP8_CACHE=fp8,
         ROW_BYTES=layout.bytes_per_token,
@@ -466,7 +466,6 @@ def sparse_mla_attention_triton(
         DIRECT_OUT=direct,
         HAS_POSITIONS=positions is not None,
         PREFETCH=_MLA_PREFETCH,
-        HEAVY_FIRST=direct and positions is not None and _MLA_HEAVY_FIRST,
         num_warps=_MLA_NUM_WARPS,
         num_stages=_MLA_NUM_STAGES,
     )
