@@ -346,6 +346,22 @@ def _sparse_mla_merge_kernel(
     )
 
 
+def split_plan(
+    num_tokens: int, num_heads: int, num_topk: int, dtype: torch.dtype
+) -> tuple[int, int, int]:
+    """-> (heads per program, splits of the top-k list, keys per step) of a launch. Splits fill
+    the GPU where tokens times head blocks do not; with one split, `_MLA_DIRECT_BLOCK_K` keys a
+    step in 16-bit (fp32 tiles that wide would not fit shared memory at DeepSeek's width)."""
+    block_h = max(16, min(_MLA_BLOCK_H, triton.next_power_of_2(num_heads)))
+    num_head_blocks = triton.cdiv(num_heads, block_h)
+    max_splits = max(1, triton.cdiv(num_topk, _MLA_BLOCK_K))
+    num_splits = min(
+        max_splits, max(1, _MLA_TARGET_PROGRAMS // max(1, num_tokens * num_head_blocks))
+    )
+    one_split_wide = num_splits == 1 and dtype.itemsize <= 2
+    return block_h, num_splits, _MLA_DIRECT_BLOCK_K if one_split_wide else _MLA_BLOCK_K
+
+
 def sparse_mla_attention_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -401,14 +417,8 @@ def sparse_mla_attention_triton(
         raise ValueError("seq_idx and topk_indices need one row per token")
     rope_dim = width - kv_lora_rank
     num_topk = topk_indices.shape[1]
-    block_h = max(16, min(_MLA_BLOCK_H, triton.next_power_of_2(num_heads)))
+    block_h, num_splits, block_k = split_plan(num_tokens, num_heads, num_topk, q.dtype)
     num_head_blocks = triton.cdiv(num_heads, block_h)
-    max_splits = max(1, triton.cdiv(num_topk, _MLA_BLOCK_K))
-    num_splits = min(
-        max_splits, max(1, _MLA_TARGET_PROGRAMS // max(1, num_tokens * num_head_blocks))
-    )
-    # fp32 tiles of _MLA_DIRECT_BLOCK_K keys would not fit shared memory at DeepSeek's width
-    block_k = _MLA_DIRECT_BLOCK_K if num_splits == 1 and q.element_size() <= 2 else _MLA_BLOCK_K
 
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=device)
     if num_tokens == 0:

@@ -83,7 +83,7 @@ def test_sparse_mla_reads_only_the_entries_a_tokens_position_allows(dtype, num_t
     packed = torch.full((num_tokens, num_topk), -1, dtype=torch.int32)
     past_tiles = torch.randint(0, 192, (num_tokens, num_topk), dtype=torch.int32)
     past_any = past_tiles.clone()
-    tile = sparse_mla._MLA_BLOCK_K
+    tile = sparse_mla.split_plan(num_tokens, num_heads, num_topk, dtype)[2]  # the launch's
     for t, p in enumerate(positions.tolist()):
         used = min(num_topk, p + 1)
         packed[t, :used] = torch.randperm(p + 1)[:used].to(torch.int32)
