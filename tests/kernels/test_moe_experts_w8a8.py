@@ -20,7 +20,7 @@ from kernels.moe_experts import (
 )
 from kernels.moe_experts_w8a8 import W8A8_CONFIG, grouped_moe_w8a8_triton
 from kernels.settings import reload_settings
-from tests.kernels.conftest import DEVICE, assert_close, needs_triton
+from tests.kernels.conftest import DEVICE, INTERPRETER, assert_close, needs_triton
 from tests.kernels.test_moe_experts_fp8 import fp8_experts, routes
 
 # (atol relative to the largest |expected|, rtol) of the kernels against the w8a8 twin. Both
@@ -121,7 +121,9 @@ def test_w8a8_grouped_moe_matches_twin(
 def test_the_down_gemms_own_tile_gives_the_same_bits(block_n, warps) -> None:
     """`down_config` (W8A8_DOWN_CONFIG): another N tile and warp count for the down GEMM alone
     change no product's rounding (each K step is still one 128-column scale block, in order),
-    so the output is the default's, bit for bit, and the twin's within its tolerance."""
+    so on the GPU the output is the default's, bit for bit, and the twin's within its tolerance.
+    Under Triton's interpreter (3.9) a tile's dot is a host matmul whose summation order within
+    the 128-column block follows the tile's shape: there the two agree to fp32's last bits."""
     num_tokens, hidden, intermediate, num_local, num_total, first_expert, top_k = CASES[2]
     x, experts, weights, ids = _inputs(
         num_tokens, hidden, intermediate, num_local, num_total, top_k, torch.float32
@@ -130,7 +132,11 @@ def test_the_down_gemms_own_tile_gives_the_same_bits(block_n, warps) -> None:
     args = (x, w13, w2, weights, ids, first_expert, w13_scale, w2_scale)
     down = GroupedGemmConfig(W8A8_CONFIG.block_m, block_n, 128, warps, 2)
     actual = grouped_moe_w8a8_triton(*args, config=W8A8_CONFIG, down_config=down)
-    assert torch.equal(actual, grouped_moe_w8a8_triton(*args, config=W8A8_CONFIG))
+    default = grouped_moe_w8a8_triton(*args, config=W8A8_CONFIG)
+    if INTERPRETER:
+        assert_close(actual, default)  # fp32: to 2e-5 of the largest
+    else:
+        assert torch.equal(actual, default)
     assert_close(actual, grouped_moe_w8a8_reference(*args), tolerances=W8A8_TOLERANCES)
 
 
