@@ -148,7 +148,7 @@ def use_fp8_w8a8(x: torch.Tensor) -> bool:
     MTPSERVE_FP8_W8A8: `prefill` (the default) inside `prompt_step`, `all` in any step, `off`
     never. Decodes and verifies stay w8a16 by default, so a request's generated tokens take the
     same kernels whatever else its step holds; prompt steps, where the GEMMs are compute bound,
-    run on the FP8 tensor cores (1.40x bf16's prefill tokens/s on the slice, BENCHMARKS.md)."""
+    run on the FP8 tensor cores (1.45x bf16's prefill tokens/s on the H100's slice, BENCHMARKS)."""
     mode = settings().fp8_w8a8
     return (
         x.dtype in (torch.bfloat16, torch.float16)

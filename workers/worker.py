@@ -347,8 +347,8 @@ class Worker:
         try:
             if w8a8_rows is not None:
                 # Prompt-only steps take the w8a8 kernels (ModelRunner._w8a8_prompt_step):
-                # every row bucket of theirs. Then the lengths below once more with w8a8 off,
-                # for the w8a16 variants of eager steps that mix prompts with decodes.
+                # every row bucket of theirs. Then the usual lengths with w8a8 off, for the
+                # w8a16 variants of eager steps that mix prompts with decodes.
                 for num_tokens in sorted({min(n, max_prompt) for n in w8a8_warm_up_rows()}):
                     self._warm_up_request(num_tokens, num_draft_tokens, share_topk)
                 self.runner.w8a8_prompt_rows = None
