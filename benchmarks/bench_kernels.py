@@ -305,7 +305,7 @@ def sweep_sparse_mla_prefill(emit) -> None:
     head = " | ".join(f"context {c}" for c in contexts)
     emit(f"| BLOCK_H | BLOCK_K | warps | stages | {head} | output |")
     emit("|---|---|---|---|" + "---|" * len(contexts) + "---|")
-    tiles = ((64, 64, 8), (64, 32, 8), (64, 128, 8), (32, 64, 4), (32, 128, 8), (64, 64, 4))
+    tiles = ((64, 64, 8), (64, 32, 8), (64, 64, 16), (128, 32, 16), (32, 128, 8), (32, 64, 4))
     for (block_h, block_k, warps), stages in itertools.product(tiles, (1, 2, 3)):
         config = (block_h, block_k, warps, stages)
         for name, value in zip(names, config, strict=True):
