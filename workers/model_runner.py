@@ -249,8 +249,8 @@ class ModelRunner:
         `tables`: each sequence's whole block table (`self.block_tables`)."""
         q = verify_rows(seqs)
         graphable = self._graphable(seqs, q)
-        prompt_only = self._w8a8_prompt_step(seqs)
-        graph_key = None if prompt_only else self._graph_key(seqs, graphable)
+        w8a8_prompt_step = self._w8a8_prompt_step(seqs)
+        graph_key = None if w8a8_prompt_step else self._graph_key(seqs, graphable)
         if graph_key is not None:
             layout = self.graphs.layout(*graph_key)
         else:
@@ -283,7 +283,7 @@ class ModelRunner:
             graphable=graphable,
             graph_key=graph_key,
             verify_rows=q,
-            prompt_only=prompt_only,
+            w8a8_prompt_step=w8a8_prompt_step,
         )
 
     def _forward(self, batch: StepTensors) -> tuple[torch.Tensor, ...]:
@@ -300,7 +300,7 @@ class ModelRunner:
                 index = index.to(self.device, non_blocking=True)
                 logits, argmax = logits.index_select(0, index), argmax.index_select(0, index)
         else:
-            with ops.prompt_step(batch.prompt_only):
+            with ops.prompt_step(batch.w8a8_prompt_step):
                 hidden = self.model(batch.input_ids, batch.meta)  # [T, hidden]
             rows = batch.logit_rows
             if not rows:

@@ -39,7 +39,7 @@ class StepTensors:
     # Prompt tokens only (workers.batch.carries_only_prompts), enough of them that its FP8
     # matmuls take the w8a8 kernels (ModelRunner.w8a8_prompt_rows): the forward runs eagerly
     # inside kernels.ops.prompt_step
-    prompt_only: bool = False
+    w8a8_prompt_step: bool = False
     # The logit rows' argmax on the device, set by the forward (ModelRunner._forward)
     argmax_device: torch.Tensor | None = None
     argmax_copied: torch.cuda.Event | None = None  # its copy to the host done (CUDA)
