@@ -145,15 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from cluster.config import ConfigError
     from deploy.local_server import DeployFailedError, DoesNotFitError, PortInUseError
+    from kernels.settings import SettingsError, settings
     from workers.loader import CheckpointError
     from workers.model_config import ModelConfigError
 
     try:
+        settings()  # the environment's switches: a value off the list fails here, not in a rank
         return _run(args)
     except KeyboardInterrupt:  # Ctrl-C outside `serve` (which handles its own): no traceback
         print("mtpserve: interrupted", file=sys.stderr)
         return 130
-    except (CheckpointError, ModelConfigError, ConfigError) as e:  # the checkpoint or options
+    except (CheckpointError, ModelConfigError, ConfigError, SettingsError) as e:  # inputs
         parser.exit(2, f"mtpserve: error: {e}\n")
     except EngineArgsError as e:
         parser.exit(2, f"mtpserve: error: {e}\n")

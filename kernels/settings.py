@@ -42,8 +42,12 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 W8A8_MODES = ("prefill", "all", "off")
 
 
+class SettingsError(ValueError):
+    """An environment variable mtpserve reads holds a value it does not take."""
+
+
 def _w8a8_mode(env: Mapping[str, str]) -> str:
-    """MTPSERVE_FP8_W8A8 -> one of W8A8_MODES; ValueError for anything else (a typo must not
+    """MTPSERVE_FP8_W8A8 -> one of W8A8_MODES; SettingsError for anything else (a typo must not
     silently pick a kernel)."""
     value = env.get("MTPSERVE_FP8_W8A8", "").strip().lower()
     if value in ("", "prefill"):
@@ -52,7 +56,7 @@ def _w8a8_mode(env: Mapping[str, str]) -> str:
         return "all"
     if value in _OFF:
         return "off"
-    raise ValueError(
+    raise SettingsError(
         f"MTPSERVE_FP8_W8A8={value!r}: expected prefill (the default), all (or 1) or off (or 0)"
     )
 

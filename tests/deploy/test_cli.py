@@ -98,3 +98,20 @@ def test_a_checkpoint_cut_short_is_an_error_naming_the_file(tiny_model_dir, tmp_
     assert "Traceback" not in done.stderr
     assert "starting a local Ray" not in done.stdout
     assert time.monotonic() - started < 60
+
+
+def test_a_switch_off_its_list_is_an_error_before_anything_starts(tiny_model_dir):
+    """An environment variable mtpserve reads, set to a value it does not take, is `mtpserve:
+    error:` naming it, exit 2, before a model loads or Ray starts."""
+    import os
+
+    done = subprocess.run(
+        [MTPSERVE, "generate", "--model", tiny_model_dir, "--device", "cpu", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MTPSERVE_FP8_W8A8": "prefil"},
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "mtpserve: error: MTPSERVE_FP8_W8A8='prefil': expected prefill" in done.stderr
+    assert "Traceback" not in done.stderr

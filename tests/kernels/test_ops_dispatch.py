@@ -23,7 +23,7 @@ from kernels import (
     rope,
     sparse_mla,
 )
-from kernels.settings import reload_settings
+from kernels.settings import SettingsError, reload_settings
 
 TWINS = {
     "rms_norm": rmsnorm.rms_norm_reference,
@@ -147,7 +147,7 @@ def test_w8a8_modes(monkeypatch, value, mode) -> None:
 
 def test_a_w8a8_typo_is_an_error(monkeypatch) -> None:
     monkeypatch.setenv("MTPSERVE_FP8_W8A8", "prefil")
-    with pytest.raises(ValueError, match="MTPSERVE_FP8_W8A8='prefil'"):
+    with pytest.raises(SettingsError, match="MTPSERVE_FP8_W8A8='prefil'"):
         reload_settings()
     monkeypatch.delenv("MTPSERVE_FP8_W8A8")
     reload_settings()
