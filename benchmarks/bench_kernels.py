@@ -13,6 +13,7 @@ kernels as a decode step: graph with PDL, graph without, and the twins eagerly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import itertools
@@ -252,13 +253,25 @@ def decode_chain(num_layers: int, batch: int, context: int, experts):
     return step
 
 
+@contextlib.contextmanager
+def _sparse_mla_tiles(names: tuple[str, ...], values: tuple):
+    """kernels.sparse_mla's tile constants `names` set to `values` inside, put back after."""
+    from kernels import sparse_mla
+
+    saved = tuple(getattr(sparse_mla, n) for n in names)
+    for name, value in zip(names, values, strict=True):
+        setattr(sparse_mla, name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved, strict=True):
+            setattr(sparse_mla, name, value)
+
+
 def sweep_sparse_mla(emit) -> None:
     """Decode tiles of the split kernel at batch 32, as the engine calls it (positions, rows of
     the picks then -1): context 8192 (every top-2048 entry used) and 1024 (half of them)."""
-    from kernels import sparse_mla
-
     names = ("_MLA_BLOCK_H", "_MLA_BLOCK_K", "_MLA_NUM_WARPS", "_MLA_NUM_STAGES", "_MLA_PREFETCH")
-    saved = tuple(getattr(sparse_mla, n) for n in names)
     cases = []
     for context in (8192, 1024):
         args, positions = sparse_mla_rows(False, 32, context)
@@ -272,15 +285,12 @@ def sweep_sparse_mla(emit) -> None:
     tiles = ((64, 32, 8), (32, 64, 8), (32, 32, 4))
     for (block_h, block_k, warps), stages, prefetch in itertools.product(tiles, (2, 3), (0, 1, 2)):
         config = (block_h, block_k, warps, stages, prefetch)
-        for name, value in zip(names, config, strict=True):
-            setattr(sparse_mla, name, value)
         try:
-            times = [f"{graph_time_us(fn):.1f}" for fn in cases]
+            with _sparse_mla_tiles(names, config):
+                times = [f"{graph_time_us(fn):.1f}" for fn in cases]
         except Exception as error:  # OutOfResources and friends: not this config
             times = [f"failed ({type(error).__name__})"] * 2
         emit(f"| {' | '.join(map(str, config))} | {times[0]} | {times[1]} |")
-    for name, value in zip(names, saved, strict=True):
-        setattr(sparse_mla, name, value)
 
 
 def sweep_sparse_mla_prefill(emit) -> None:
@@ -288,10 +298,7 @@ def sweep_sparse_mla_prefill(emit) -> None:
     the output, with _MLA_DIRECT_BLOCK_K keys a step), as the engine calls it (positions, rows
     of min(2048, p + 1) picks then -1), at context 0, 8192 and 30000. Each config's output
     against the shipped config's: the same bits, or the largest difference."""
-    from kernels import sparse_mla
-
     names = ("_MLA_BLOCK_H", "_MLA_DIRECT_BLOCK_K", "_MLA_NUM_WARPS", "_MLA_NUM_STAGES")
-    saved = tuple(getattr(sparse_mla, n) for n in names)
     contexts = (0, 8192, 30000)
     cases = []
     for context in contexts:
@@ -308,21 +315,18 @@ def sweep_sparse_mla_prefill(emit) -> None:
     tiles = ((64, 64, 8), (64, 32, 8), (64, 64, 16), (128, 32, 16), (32, 128, 8), (32, 64, 4))
     for (block_h, block_k, warps), stages in itertools.product(tiles, (1, 2, 3)):
         config = (block_h, block_k, warps, stages)
-        for name, value in zip(names, config, strict=True):
-            setattr(sparse_mla, name, value)
         try:
-            times = [f"{graph_time_us(fn, repeats=4, replays=3):.0f}" for fn in cases]
-            diffs = [
-                (fn().float() - want.float()).abs().max().item()
-                for fn, want in zip(cases, shipped, strict=True)
-            ]
+            with _sparse_mla_tiles(names, config):
+                times = [f"{graph_time_us(fn, repeats=4, replays=3):.0f}" for fn in cases]
+                diffs = [
+                    (fn().float() - want.float()).abs().max().item()
+                    for fn, want in zip(cases, shipped, strict=True)
+                ]
             output = "same bits" if max(diffs) == 0 else f"max diff {max(diffs):.2e}"
         except Exception as error:  # OutOfResources and friends: not this config
             times = [f"failed ({type(error).__name__})"] * len(contexts)
             output = ""
         emit(f"| {' | '.join(map(str, config))} | {' | '.join(times)} | {output} |")
-    for name, value in zip(names, saved, strict=True):
-        setattr(sparse_mla, name, value)
 
 
 def sparse_mla_rows(prefill: bool, tokens: int, context: int):

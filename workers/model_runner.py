@@ -511,8 +511,8 @@ class ModelRunner:
         graph's row bucket holds."""
         return (
             self.w8a8_prompt_rows is not None
+            and carries_only_prompts(seqs)  # first: a decode step stops at its first sequence
             and sum(len(s.token_ids) for s in seqs) >= self.w8a8_prompt_rows
-            and carries_only_prompts(seqs)
         )
 
     def _graphable(self, seqs: list[SeqWork], q: int | None) -> bool:

@@ -127,6 +127,18 @@ def _with_cpu_graphs(
 PROMPT_LENS = [3, 41, 12, 27, 5, 33, 18]
 
 
+def _arrivals(seed: int, lens: list[int]) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of these lengths (random token ids) and greedy parameters asking each next one
+    for 3 more tokens (5, 8, 11, ...): requests that arrive and finish at different steps."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
+    params = [
+        SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    return prompts, params
+
+
 def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     """Each prompt with its own parameters -> token ids, in prompt order."""
     engine = llm.engine
@@ -222,13 +234,8 @@ def test_prompts_arriving_mid_decode_replay_the_decode_graph(tiny_model_dir, k):
     runs its target forward as rows of the q = 1 decode graph (`ModelRunner._graph_key`; with
     MTP the proposal after it runs eagerly), token for token the eager path's greedy tokens,
     with padded buckets; a chunk longer than the largest bucket stays eager."""
-    g = torch.Generator().manual_seed(2)
-    lens = [9, 41, 3, 30, 17, 70, 5]  # 70 > the largest bucket (64): that prefill stays eager
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
-    params = [
-        SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
+    # 70 > the largest bucket (64): that prefill stays eager
+    prompts, params = _arrivals(2, [9, 41, 3, 30, 17, 70, 5])
     eager = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=64)
     expected = generate_staggered(eager, prompts, params, every=2)
     graphed = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=64)
@@ -251,13 +258,7 @@ def test_prompts_past_the_decode_batches_replay_row_buckets(tiny_model_dir):
     an arriving prompt with more tokens than 8 (but at most 48) replays a row bucket past the
     decode batches, token for token the eager path's greedy tokens; the 70-token prompt's
     step stays eager."""
-    g = torch.Generator().manual_seed(3)
-    lens = [9, 30, 3, 21, 17, 70, 5]
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
-    params = [
-        SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
+    prompts, params = _arrivals(3, [9, 30, 3, 21, 17, 70, 5])
     eager = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", max_num_seqs=8)
     expected = generate_staggered(eager, prompts, params, every=2)
     graphed = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", max_num_seqs=8)
@@ -443,14 +444,8 @@ def test_prompt_only_steps_run_eagerly_in_a_prompt_step(tiny_model_dir):
     least that many, runs its forward eagerly inside `ops.prompt_step`; decodes, steps that mix
     a prompt with decodes and smaller prompt steps replay graphs outside it. Greedy tokens stay
     the eager path's."""
-    g = torch.Generator().manual_seed(4)
-    lens = [40, 9, 41, 3, 30, 17, 5]
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
-    params = [
-        SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    short = [torch.randint(3, 512, (5,), generator=g).tolist()]
+    prompts, params = _arrivals(4, [40, 9, 41, 3, 30, 17, 5])
+    short = _arrivals(7, [5])[0]
     eager = LLM(tiny_model_dir, num_draft_tokens=0, dtype="float32", max_num_seqs=64)
     expected = generate_staggered(eager, prompts, params, every=2)
     expected_short = _generate(eager, short, params[:1])
