@@ -212,31 +212,40 @@ class DecodeBench:
 
         return warmed_median(window)
 
-    def eager_step(self, batch: int, context: int, tokens_per_seq: int):
+    def eager_step(self, batch: int, context: int, tokens_per_seq: int, dense: bool = True):
         """One eager forward of `tokens_per_seq` new tokens for each of `batch` sequences after
         `context` cached ones, and the LM head on each sequence's last token. More than one
         token a sequence is a step of prompt chunks: it runs inside `ops.prompt_step`, as the
-        model runner runs one (an FP8 model's matmuls then take w8a8 by default)."""
+        model runner runs one (an FP8 model's matmuls then take w8a8 by default), and where
+        its tokens all lie before index_topk it attends densely as the runner's does
+        (`ModelRunner._dense_step`), unless `dense` is False."""
         from kernels import ops
-        from workers.attention_metadata import AttentionMetadata
+        from workers.attention_metadata import AttentionMetadata, dense_spans
 
         ids, positions, slots, tables = self.inputs(batch, context, tokens_per_seq)
         seq = torch.arange(batch, device=CUDA).repeat_interleave(tokens_per_seq)
         last = torch.arange(1, batch + 1, device=CUDA) * tokens_per_seq - 1
+        spans = None
+        prompt = tokens_per_seq > 1
+        if dense and prompt and context + tokens_per_seq <= self.model.config.index_topk:
+            spans = dense_spans(
+                [context] * batch, [tokens_per_seq] * batch, tables.tolist(), BLOCK, CUDA
+            )
 
         @torch.no_grad()
         def step():
-            with ops.prompt_step(tokens_per_seq > 1):
-                hidden = self.model(ids, AttentionMetadata(positions, slots, seq, tables))
+            meta = AttentionMetadata(positions, slots, seq, tables, dense=spans)
+            with ops.prompt_step(prompt):
+                hidden = self.model(ids, meta)
             self.model.compute_logits(hidden if tokens_per_seq == 1 else hidden[last])
 
         return step
 
-    def prefill_ms(self, context: int, chunk: int, reps: int = 3) -> float:
+    def prefill_ms(self, context: int, chunk: int, reps: int = 3, dense: bool = True) -> float:
         """One chunked-prefill step: `chunk` new tokens of one sequence after `context` cached
         ones (the engine prefills in chunks of max_num_batched_tokens), eager as the engine runs
-        prefill."""
-        return eager_ms(self.eager_step(1, context, chunk), reps)
+        prefill (`dense`: see `eager_step`)."""
+        return eager_ms(self.eager_step(1, context, chunk, dense), reps)
 
     def graphs(self, pdl: bool, max_batch: int) -> DecodeGraphs:
         with_pdl(pdl)
@@ -816,13 +825,19 @@ def run_single(args, emit, bw: float) -> None:
     if args.mtp_gaps:
         mtp_round_gaps(bench, model, bench.graphs(True, max(BATCHES)), trace=args.trace)
         return
-    emit("\n| prefill chunk | after context | ms | prefill tok/s |")
-    emit("|---|---|---|---|")
+    # A chunk that ends before index_topk attends densely (the runner's rule); the same chunk
+    # on the sparse path beside it.
+    emit("\n| prefill chunk | after context | attention | ms | prefill tok/s |")
+    emit("|---|---|---|---|---|")
+    dense_until = config.index_topk
     for context in (0, 8192, 30720):
-        ms = bench.prefill_ms(context, args.prefill_chunk)
-        emit(
-            f"| {args.prefill_chunk} | {context} | {ms:.1f} | {args.prefill_chunk / ms * 1e3:.0f} |"
-        )
+        paths = (True, False) if context + args.prefill_chunk <= dense_until else (False,)
+        for dense in paths:
+            ms = bench.prefill_ms(context, args.prefill_chunk, dense=dense)
+            emit(
+                f"| {args.prefill_chunk} | {context} | {'dense' if dense else 'sparse'} | "
+                f"{ms:.1f} | {args.prefill_chunk / ms * 1e3:.0f} |"
+            )
     if args.prefill_only:
         return
     graphs = {pdl: bench.graphs(pdl, max(BATCHES)) for pdl in (True, False)}

@@ -59,6 +59,11 @@ from kernels.rope import rope_cos_sin as rope_cos_sin_reference
 from kernels.rope import rope_cos_sin_triton, rope_reference, rope_triton
 from kernels.settings import settings
 from kernels.sparse_mla import sparse_mla_attention_reference, sparse_mla_attention_triton
+from kernels.varlen_attention import (
+    flash_varlen_runs,
+    varlen_causal_attention_flash,
+    varlen_causal_attention_reference,
+)
 
 # The FP8 indexer rounding runs as torch ops on every device (a twin; no Triton kernel yet).
 indexer_fp8 = indexer_fp8_reference
@@ -314,6 +319,23 @@ def sparse_mla_attention(
         q_rope,
         positions,
     )
+
+
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    q_lens: list[int],
+    k_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention over packed sequences, each one's queries its last keys
+    (kernels/varlen_attention.py): PyTorch's flash kernel on CUDA in 16 bits, else the twin."""
+    flash = flash_varlen_runs(q) and not platform.force_reference()
+    impl = varlen_causal_attention_flash if flash else varlen_causal_attention_reference
+    return impl(q, k, v, cu_q, cu_k, q_lens, k_lens, scale)
 
 
 def moe_route(

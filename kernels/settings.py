@@ -13,6 +13,11 @@
   prompt tokens only (`kernels.ops.prompt_step`), so decodes and verifies keep one kernel
   whatever the batch; `all` (or 1 / true / yes / on) in every such step; `off` (or 0 / false /
   no) never;
+- `MTPSERVE_DENSE_PROMPTS` (`dense_prompts`, one of `DENSE_PROMPT_MODES`): whether a step of
+  prompt tokens that all lie before the indexer's top-k size attends densely (unabsorbed causal
+  attention, no indexer scoring; `workers.model_runner.ModelRunner._dense_step`). `auto` (unset:
+  the default) where the dense path has been verified: the CPU; on (1 / true / yes / on)
+  everywhere; off (0 / false / no) nowhere;
 - `TRITON_INTERPRET=1` (`triton_interpret`): Triton's interpreter runs the kernels (no PDL);
 - `TRITON_CACHE_DIR` (`triton_cache_dir`): where compiled kernels go (unset: under
   `cache_home`, `kernels.platform.ensure_triton_cache_dir`);
@@ -46,6 +51,22 @@ class SettingsError(ValueError):
     """An environment variable mtpserve reads holds a value it does not take."""
 
 
+DENSE_PROMPT_MODES = ("auto", "on", "off")
+
+
+def _dense_prompts_mode(env: Mapping[str, str]) -> str:
+    value = env.get("MTPSERVE_DENSE_PROMPTS", "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in _ON:
+        return "on"
+    if value in _OFF:
+        return "off"
+    raise SettingsError(
+        f"MTPSERVE_DENSE_PROMPTS={value!r}: expected auto (the default), on (or 1) or off (or 0)"
+    )
+
+
 def _w8a8_mode(env: Mapping[str, str]) -> str:
     """MTPSERVE_FP8_W8A8 -> one of W8A8_MODES; SettingsError for anything else (a typo must not
     silently pick a kernel)."""
@@ -67,6 +88,7 @@ class Settings:
     pdl_off_kernels: frozenset[str]
     force_reference: bool
     fp8_w8a8: str  # one of W8A8_MODES
+    dense_prompts: str  # one of DENSE_PROMPT_MODES
     triton_interpret: bool
     triton_cache_dir: str | None  # as the user set it; None: unset
     cache_home: str  # mtpserve's cache directory (the tiny model, compiled kernels)
@@ -82,6 +104,7 @@ class Settings:
             - {""},
             force_reference=_flag(env, "MTPSERVE_FORCE_REFERENCE"),
             fp8_w8a8=_w8a8_mode(env),
+            dense_prompts=_dense_prompts_mode(env),
             triton_interpret=_flag(env, "TRITON_INTERPRET"),
             triton_cache_dir=env.get("TRITON_CACHE_DIR") or None,
             cache_home=os.path.join(base, "mtpserve"),

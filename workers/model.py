@@ -20,6 +20,7 @@ from kernels.fp8 import (
     scale_grid,
     scales_are_powers_of_two,
 )
+from kernels.fp8_cache import is_fp8_cache, unpack_fp8_rows_reference
 from kernels.fp8_mla_absorb import (
     ABSORB_FP8_MAX_ROWS,
     absorb_out_dense,
@@ -27,6 +28,7 @@ from kernels.fp8_mla_absorb import (
     fp8_absorbable,
 )
 from kernels.moe_experts import SharedExpert
+from kernels.sparse_mla import latent_cache_layout
 from parallel.collectives import tp_all_reduce, tp_compute_on_one_rank
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import (
@@ -37,7 +39,7 @@ from parallel.linear import (
     RowParallelLinear,
 )
 from parallel.state import get_parallel_state
-from workers.attention_metadata import AttentionMetadata
+from workers.attention_metadata import AttentionMetadata, DenseSpans
 
 INDEXER_NUMERICS = ("exact", "fp8")
 
@@ -158,6 +160,28 @@ class Indexer(nn.Module):
             self.src_tp_rank,
         )
 
+    def write_keys(self, k, cos_sin, meta, k_cache) -> None:
+        """The step's index keys into the cache, for the steps after it (`compute` scores them;
+        a dense step only writes them). Where one TP rank runs the indexer, only that rank
+        does."""
+        if self.src_tp_rank is not None and get_parallel_state().tp_rank != self.src_tp_rank:
+            return
+        cos, sin = cos_sin
+        k_rows = ops.indexer_k_cache_write(
+            k,
+            self.k_norm.weight,
+            self.k_norm.bias,
+            self.k_norm.eps,
+            cos,
+            sin,
+            None if self.fp8 else k_cache,
+            meta.slot_mapping,
+        )  # [T, index_head_dim]
+        if self.fp8:  # the FP8 key cache (e4m3 + a scale per 128) holds what FP8 scoring sees
+            ops.fp8_cache_write(
+                k_cache, meta.slot_mapping, ops.hadamard_rotate(k_rows), self.head_dim
+            )
+
     def compute(
         self,
         x: torch.Tensor,  # [T, hidden], the attention input (after input_layernorm)
@@ -173,21 +197,9 @@ class Indexer(nn.Module):
         num_tokens = x.shape[0]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
         q = ops.rope(q, cos, sin, False, self.rope_dim)  # the first rope_dim dims, half-split
-        k_rows = ops.indexer_k_cache_write(
-            k,
-            self.k_norm.weight,
-            self.k_norm.bias,
-            self.k_norm.eps,
-            cos,
-            sin,
-            None if self.fp8 else k_cache,
-            meta.slot_mapping,
-        )  # [T, index_head_dim]
-        if self.fp8:  # the FP8 key cache (e4m3 + a scale per 128) holds what FP8 scoring sees
+        self.write_keys(k, cos_sin, meta, k_cache)
+        if self.fp8:
             q = ops.indexer_fp8(q)
-            ops.fp8_cache_write(
-                k_cache, meta.slot_mapping, ops.hadamard_rotate(k_rows), self.head_dim
-            )
         weights = ops.linear_fp32(x, self.weights_proj.weight, self.num_heads**-0.5)  # [T, H]
         return ops.indexer_topk(
             q,
@@ -298,6 +310,9 @@ class MLAAttention(nn.Module):
             kv_cache,
             meta.slot_mapping,
         )
+        if topk is None and meta.dense is not None:
+            self.indexer.write_keys(index_k, cos_sin, meta, index_cache)
+            return self.o_proj(self._dense(q_nope, q_rope, kv_cache, meta.dense)), None
         # A token at p uses only the first min(K, p + 1) entries of the indexer's row (its picks
         # come first, then -1): the attention walks no further. A row shared across draft steps
         # has the steps' own positions after the kept row's padding, so it is walked whole.
@@ -319,6 +334,33 @@ class MLAAttention(nn.Module):
         )  # [T, H, kv_lora_rank]
         out = self._absorb_out(out_latent).reshape(num_tokens, -1)  # [T, H * v]
         return self.o_proj(out), topk
+
+    def _dense(self, q_nope, q_rope, kv_cache, dense: DenseSpans) -> torch.Tensor:
+        """The attention of a step whose tokens see no more positions than the indexer keeps
+        (`AttentionMetadata.dense`): every token attends to every position up to its own, so
+        the sparse attention is plain causal attention. It runs unabsorbed, as DeepSeek's
+        reference prefills: each sequence's latents up-projected through kv_b_proj into keys
+        and values (576 + 512 multiply-adds per query head and key become 192 + 128), then one
+        flash-attention launch. -> [T, H * v]."""
+        num_tokens, num_heads = q_nope.shape[:2]
+        rows = kv_cache.view(-1, kv_cache.shape[-1])
+        if is_fp8_cache(kv_cache):
+            width = self.kv_lora_rank + self.rope_dim
+            layout = latent_cache_layout(self.kv_lora_rank, width, q_nope.dtype)
+            picked = unpack_fp8_rows_reference(rows[dense.key_slots], layout).to(q_nope.dtype)
+        else:
+            picked = rows[dense.key_slots]  # [S, kv_lora + rope]
+        latent, k_rope = picked.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        weight = self.kv_b_proj.model_dtype_weight()  # [H * (nope + v), kv_lora]
+        kv = torch.matmul(latent, weight.t()).view(-1, num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        num_keys = kv.shape[0]
+        k = torch.cat([k_nope, k_rope[:, None, :].expand(num_keys, num_heads, self.rope_dim)], -1)
+        q = torch.cat([q_nope, q_rope], -1)
+        out = ops.varlen_causal_attention(
+            q, k, v, dense.cu_q, dense.cu_k, dense.q_lens, dense.k_lens, self.softmax_scale
+        )  # [T, H, v]
+        return out.reshape(num_tokens, num_heads * self.v_dim)
 
     def _absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, nope] -> [T, H, kv_lora]: each head's q times its W_UK."""

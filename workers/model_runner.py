@@ -19,7 +19,7 @@ import torch
 from kernels import ops
 from parallel.collectives import tp_broadcast
 from parallel.state import get_parallel_state
-from workers.attention_metadata import AttentionMetadata
+from workers.attention_metadata import AttentionMetadata, dense_prompts_on, dense_spans
 from workers.batch import (
     SeqResult,
     SeqWork,
@@ -103,6 +103,10 @@ class ModelRunner:
         # From this many tokens a step of prompt tokens only runs eagerly inside
         # `ops.prompt_step`, so an FP8 model's matmuls take the w8a8 kernels there (the graphs
         # hold the w8a16 ones); None: never (no FP8 weights, or w8a8 not for prompt steps here).
+        # An eager step of prompt tokens only, all before the indexer's top-k size, attends
+        # densely (`AttentionMetadata.dense`): its tokens' top-k would be every position. The
+        # warm-up turns this off for its dummy prefills of the sparse path's kernels.
+        self.dense_prompts = dense_prompts_on(device)
         holds_fp8 = any(getattr(m, "is_fp8", False) for m in model.modules())
         self.w8a8_prompt_rows = ops.w8a8_prompt_rows(device) if holds_fp8 else None
         if device.type == "cuda" and cuda_graph_max_batch > 0:
@@ -273,11 +277,20 @@ class ModelRunner:
                 first = start + len(s.token_ids) - 1 - s.num_draft_tokens
                 logit_rows.extend(range(first, start + len(s.token_ids)))
             start += len(s.token_ids)
+        meta = AttentionMetadata(positions, slots, seq_idx, device_tables)
+        if graph_key is None and self._dense_step(seqs):
+            meta.dense = dense_spans(
+                [s.start_position for s in seqs],
+                [len(s.token_ids) for s in seqs],
+                tables,
+                self.block_size,
+                self.device,
+            )
         return StepTensors(
             seqs=seqs,
             block_tables=tables,
             input_ids=input_ids,
-            meta=AttentionMetadata(positions, slots, seq_idx, device_tables),
+            meta=meta,
             offsets=offsets,
             logit_rows=logit_rows,
             graphable=graphable,
@@ -514,6 +527,21 @@ class ModelRunner:
             and carries_only_prompts(seqs)  # first: a decode step stops at its first sequence
             and sum(len(s.token_ids) for s in seqs) >= self.w8a8_prompt_rows
         )
+
+    def _dense_step(self, seqs: list[SeqWork]) -> bool:
+        """A step of prompt tokens only whose every token lies before index_topk: each one's
+        top-k is every position up to its own (the indexer keeps min(index_topk, p + 1)), so
+        its attention is dense and causal and runs so (`MLAAttention._dense`), without the
+        indexer's scoring. Decodes and verifies keep the sparse path, as in the graphs. The
+        keys it up-projects (every position of every sequence) stay within twice the larger of
+        index_topk and the step's tokens: its transient keys and values then take about what
+        the sparse path's absorbed queries and outputs do."""
+        if not (self.dense_prompts and carries_only_prompts(seqs)):
+            return False
+        topk = self.model.config.index_topk
+        ends = [s.start_position + len(s.token_ids) for s in seqs]
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        return max(ends) <= topk and sum(ends) <= 2 * max(topk, num_tokens)
 
     def _graphable(self, seqs: list[SeqWork], q: int | None) -> bool:
         """Decode steps replay a CUDA graph: every sequence samples every one of its tokens'

@@ -343,6 +343,7 @@ class Worker:
         on_gpu = self.device.type == "cuda"
         lengths = warm_up_prefill_lengths(block_size, on_gpu, max_prompt)
         w8a8_rows = self.runner.w8a8_prompt_rows  # None: prompt steps take no other kernels
+        dense = self.runner.dense_prompts
         self.runner.prefill_in_graphs = False
         try:
             if w8a8_rows is not None:
@@ -352,11 +353,18 @@ class Worker:
                 for num_tokens in sorted({min(n, max_prompt) for n in w8a8_warm_up_rows()}):
                     self._warm_up_request(num_tokens, num_draft_tokens, share_topk)
                 self.runner.w8a8_prompt_rows = None
+            if dense:
+                # Prompt steps before index_topk attend densely (ModelRunner._dense_step), as
+                # these would: the first so, the rest on the sparse path, whose prefill
+                # variants a longer prompt's chunks or a mixed step take.
+                self._warm_up_request(lengths[0], num_draft_tokens, share_topk)
+                self.runner.dense_prompts = False
             for num_tokens in lengths:
                 self._warm_up_request(num_tokens, num_draft_tokens, share_topk)
         finally:
             self.runner.prefill_in_graphs = True
             self.runner.w8a8_prompt_rows = w8a8_rows
+            self.runner.dense_prompts = dense
 
     def _warm_up_request(self, num_tokens: int, num_draft_tokens: int, share_topk: bool) -> None:
         """One dummy prompt of `num_tokens` (greedy), one decode after it (sampled), forgotten."""

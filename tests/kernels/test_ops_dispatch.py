@@ -145,6 +145,25 @@ def test_w8a8_modes(monkeypatch, value, mode) -> None:
     assert reload_settings().fp8_w8a8 == mode
 
 
+@pytest.mark.parametrize(
+    "value, mode, cpu, cuda",
+    [("", "auto", True, False), ("auto", "auto", True, False), ("1", "on", True, True)]
+    + [("ON", "on", True, True), ("off", "off", False, False), ("0", "off", False, False)],
+)
+def test_dense_prompt_modes(monkeypatch, value, mode, cpu, cuda) -> None:
+    from workers.attention_metadata import dense_prompts_on
+
+    monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", value)
+    assert reload_settings().dense_prompts == mode
+    assert dense_prompts_on(torch.device("cpu")) == cpu
+    assert dense_prompts_on(torch.device("cuda")) == cuda
+    monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", "dense")
+    with pytest.raises(SettingsError, match="MTPSERVE_DENSE_PROMPTS='dense'"):
+        reload_settings()
+    monkeypatch.delenv("MTPSERVE_DENSE_PROMPTS")
+    reload_settings()
+
+
 def test_a_w8a8_typo_is_an_error(monkeypatch) -> None:
     monkeypatch.setenv("MTPSERVE_FP8_W8A8", "prefil")
     with pytest.raises(SettingsError, match="MTPSERVE_FP8_W8A8='prefil'"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.attention_metadata import AttentionMetadata
+from workers.attention_metadata import AttentionMetadata, dense_spans
 from workers.kv_cache import CacheFormat, allocate_kv_caches
 
 BLOCK = 64
@@ -37,8 +37,11 @@ class PagedHarness:
         self.block_tables = self.block_tables.to(torch.int32).contiguous()
         self.lengths = [0] * num_seqs
 
-    def metadata(self, chunks: dict[int, int]) -> AttentionMetadata:
-        """chunks: seq -> number of new tokens this step (positions continue from its length)."""
+    def metadata(self, chunks: dict[int, int], dense: bool = False) -> AttentionMetadata:
+        """chunks: seq -> number of new tokens this step (positions continue from its length).
+        `dense`: the step's spans for the dense attention path (`AttentionMetadata.dense`), as
+        the model runner sets them for a prompt step before index_topk."""
+        starts = [self.lengths[seq] for seq in chunks]
         positions, seq_idx, slots = [], [], []
         for seq, n in chunks.items():
             for p in range(self.lengths[seq], self.lengths[seq] + n):
@@ -52,4 +55,13 @@ class PagedHarness:
             slot_mapping=torch.tensor(slots),
             seq_idx=torch.tensor(seq_idx),
             block_tables=self.block_tables,
+            dense=dense_spans(
+                starts,
+                list(chunks.values()),
+                [self.block_tables[seq].tolist() for seq in chunks],
+                BLOCK,
+                torch.device("cpu"),
+            )
+            if dense
+            else None,
         )

@@ -297,3 +297,36 @@ def test_gpu_a_second_engines_warm_up_is_not_the_firsts_late_compile(tiny_model_
     second = LLM(tiny_model_dir, device="cuda", num_draft_tokens=0, max_num_seqs=4, dtype="float32")
     assert late.count == 0
     assert second.engine.executor.worker.late_compiles.count == 0
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_gpu_dense_prompt_steps(tiny_model_dir, prompts, monkeypatch, k):
+    """MTPSERVE_DENSE_PROMPTS=on: prompt steps before index_topk attend densely on the GPU
+    (PyTorch's flash kernel in bf16, the twin in fp32). fp32 greedy equals the CPU's (dense
+    there by default), with MTP k and without; bf16 greedy with the dense path and MTP k equals
+    bf16 greedy on the sparse path up to near ties (the prompt steps differ in their last
+    bits)."""
+    from kernels.settings import reload_settings
+
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    cpu = [
+        o.token_ids
+        for o in LLM(tiny_model_dir, num_draft_tokens=0, device="cpu", dtype="float32").generate(
+            prompts, params
+        )
+    ]
+    sparse = LLM(tiny_model_dir, device="cuda", dtype="bfloat16", num_draft_tokens=0).generate(
+        prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=20)
+    )
+    monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", "on")
+    reload_settings()
+    try:
+        fp32, llm = _tokens(tiny_model_dir, prompts, dtype="float32", num_draft_tokens=k)
+        assert llm.engine.executor.worker.runner.dense_prompts
+        assert llm.engine.executor.worker.late_compiles.count == 0
+        dense, _ = _tokens(tiny_model_dir, prompts, dtype="bfloat16", num_draft_tokens=k)
+    finally:
+        monkeypatch.delenv("MTPSERVE_DENSE_PROMPTS")
+        reload_settings()
+    assert fp32 == cpu
+    assert_equal_up_to_near_ties(sparse, dense)

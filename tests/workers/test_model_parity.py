@@ -75,3 +75,42 @@ def test_indexer_selection_matters(tiny_model_dir):
     dense = model.compute_logits(model(tokens, PagedHarness(model, 1, 64).metadata({0: 48})))
     assert (sparse[:16] - dense[:16]).abs().max() < ATOL  # up to index_topk both are dense
     assert (sparse[20:] - dense[20:]).abs().max() > 100 * ATOL
+
+
+@torch.no_grad()
+def test_dense_prompt_steps_match_transformers(tiny_model_dir):
+    """Prompt steps whose tokens all lie before index_topk take the dense path (unabsorbed
+    causal attention, no indexer scoring: `AttentionMetadata.dense`). Three prompts in two
+    chunks each, the second after a context (queries the last of their keys), against the
+    oracle and against the same steps on the sparse path; then a decode step on the sparse
+    path reads the index keys the dense steps wrote."""
+    model, config = load_model(tiny_model_dir, dtype=torch.float32)
+    oracle = _oracle(tiny_model_dir)
+    g = torch.Generator().manual_seed(3)
+    chunks = [{0: 9, 1: 5, 2: 12}, {0: 4, 1: 7, 2: 3}]
+    totals = [sum(c[i] for c in chunks) for i in range(3)]
+    assert max(totals) <= config.index_topk  # every token's top-k is every position
+    seqs = [torch.randint(3, config.vocab_size, (n + 1,), generator=g) for n in totals]
+    worst = {True: 0.0, False: 0.0}
+    for dense in (True, False):
+        harness = PagedHarness(model, 3, 32)
+        for step in chunks:
+            meta = harness.metadata(step, dense=dense)
+            assert (meta.dense is not None) == dense
+            ids = torch.cat(
+                [seqs[i][harness.lengths[i] - n : harness.lengths[i]] for i, n in step.items()]
+            )
+            logits = model.compute_logits(model(ids, meta))
+            offset = 0
+            for i, n in step.items():
+                expected = oracle(seqs[i][None, : harness.lengths[i]]).logits[0, -n:]
+                got = logits[offset : offset + n]
+                worst[dense] = max(worst[dense], (got - expected).abs().max().item())
+                offset += n
+        # One decode each, on the sparse path, over the keys the prompt steps wrote.
+        meta = harness.metadata({0: 1, 1: 1, 2: 1})
+        logits = model.compute_logits(model(torch.stack([s[-1] for s in seqs]), meta))
+        for i, s in enumerate(seqs):
+            expected = oracle(s[None]).logits[0, -1]
+            worst[dense] = max(worst[dense], (logits[i] - expected).abs().max().item())
+    assert worst[True] < ATOL and worst[False] < ATOL, worst

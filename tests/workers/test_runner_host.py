@@ -480,3 +480,69 @@ def test_prompt_only_steps_run_eagerly_in_a_prompt_step(tiny_model_dir):
     assert any(p and n >= 16 for p, n, _, _ in steps)  # the 40-token prompt, alone
     assert any(not p and n > 1 and key for p, n, key, _ in steps)  # a prompt beside decodes
     assert any(p and n == 5 for p, n, _, _ in steps)  # the short prompt, alone: a graph
+
+
+def test_prompt_steps_before_index_topk_attend_densely(tiny_model_dir):
+    """A step of prompt tokens only whose tokens all lie before index_topk carries dense spans
+    (`ModelRunner._dense_step`); decodes, verifies, steps that mix them with prompts and
+    chunks past index_topk take the sparse path. Greedy tokens, with MTP and without, equal
+    those of the same engine with the dense path off."""
+    prompts, params = _arrivals(5, [40, 12, 3, 16, 9])
+    together, together_params = _arrivals(6, [9, 15, 2, 16])  # one step of four prompts
+    for k in (0, 2):
+        outputs, steps = {}, {False: [], True: []}
+        for dense in (False, True):
+            llm = LLM(tiny_model_dir, num_draft_tokens=k, dtype="float32", max_num_seqs=64)
+            runner = llm.engine.executor.worker.runner
+            assert runner.dense_prompts  # the CPU's default
+            runner.dense_prompts = dense
+            prepare = runner._prepare
+
+            def spy(seqs, tables, prepare=prepare, seen=steps[dense]):
+                batch = prepare(seqs, tables)
+                ends = [s.start_position + len(s.token_ids) for s in seqs]
+                tokens = sum(len(s.token_ids) for s in seqs)
+                seen.append((carries_only_prompts(seqs), ends, tokens, batch.meta.dense))
+                return batch
+
+            runner._prepare = spy
+            outputs[dense] = generate_staggered(llm, prompts, params, every=2)
+            outputs[dense] += _generate(llm, together, together_params)
+        assert outputs[True] == outputs[False]
+        topk = llm.engine.executor.worker.config.index_topk
+        assert not any(dense for *_, dense in steps[False])
+        for only_prompts, ends, tokens, dense in steps[True]:
+            keys_bounded = sum(ends) <= 2 * max(topk, tokens)
+            assert (dense is not None) == (only_prompts and max(ends) <= topk and keys_bounded)
+            if dense is not None:  # each sequence's tokens the last of its positions
+                assert dense.k_lens == ends and sum(dense.q_lens) == tokens
+        assert any(dense for *_, dense in steps[True])
+        assert any(p and not d for p, _, _, d in steps[True])  # the 40-token prompt's chunk
+
+
+def test_dense_steps_bound_the_keys_they_up_project():
+    """`ModelRunner._dense_step`'s rule: prompt tokens only, all before index_topk, and at most
+    twice max(index_topk, the step's tokens) positions over its sequences."""
+    from types import SimpleNamespace
+
+    from workers.model_runner import ModelRunner
+
+    def seq(start, n, samples=True, drafts=0):
+        return SeqWork("r", [1] * n, start, [1], drafts, samples)
+
+    runner = SimpleNamespace(
+        dense_prompts=True, model=SimpleNamespace(config=SimpleNamespace(index_topk=16))
+    )
+
+    def dense(*seqs):
+        return ModelRunner._dense_step(runner, list(seqs))
+
+    assert dense(seq(0, 16))  # a prompt of index_topk tokens
+    assert not dense(seq(0, 17))  # its last token has 17 positions to choose from
+    assert dense(seq(10, 6), seq(0, 3, samples=False))  # a last chunk after a context
+    assert not dense(seq(10, 6), seq(5, 1))  # beside a decode
+    assert not dense(seq(3, 2, drafts=1))  # a verify
+    assert dense(*[seq(6, 2) for _ in range(4)])  # 32 positions for 8 tokens: 2 x 16
+    assert not dense(*[seq(7, 2) for _ in range(4)])  # 36
+    runner.dense_prompts = False
+    assert not dense(seq(0, 16))

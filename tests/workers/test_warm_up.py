@@ -145,22 +145,33 @@ def test_prefill_warm_up_runs_each_length_and_leaves_no_trace(worker):
         return result.sampled_token_ids, result.next_draft_token_ids
 
     before = real_request("before")
-    seen = []
-    execute = worker.runner.execute
+    seen, dense = [], []
+    execute, prepare = worker.runner.execute, worker.runner._prepare
 
     def spy(step):
         seen.append([(len(s.token_ids), s.samples, step.num_draft_tokens) for s in step.seqs])
         return execute(step)
 
-    worker.runner.execute = spy
+    def spy_prepare(seqs, tables):
+        batch = prepare(seqs, tables)
+        dense.append(batch.meta.dense is not None)
+        return batch
+
+    worker.runner.execute, worker.runner._prepare = spy, spy_prepare
+    assert worker.runner.dense_prompts  # the CPU's default
     try:
         worker._warm_up_prefill(2, False)
     finally:
-        del worker.runner.execute
-    # Per length: the prefill, then a verify of the sampled token and its 2 drafts.
+        del worker.runner.execute, worker.runner._prepare
+    assert worker.runner.dense_prompts  # restored
+    # Per length: the prefill, then a verify of the sampled token and its 2 drafts; the first
+    # length first with its prompt step dense (prompts before index_topk attend so), then every
+    # length on the sparse path.
     lengths = warm_up_prefill_lengths(worker.runner.block_size, False, worker.max_seq_slots)
+    lengths = lengths[:1] + lengths
     expected = [[step] for n in lengths for step in ((n, True, 2), (3, True, 2))]
     assert [entry for entry in seen if entry] == expected
+    assert dense == [True] + [False] * (len(expected) - 1)
     assert WARM_UP_REQUEST_ID not in worker.runner.states
     assert WARM_UP_REQUEST_ID not in worker.runner.proposer.pending
     assert real_request("after") == before
