@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8_cache import is_fp8_cache
 from tests.workers.paged_harness import PagedHarness
 from workers.loader import load_model
 
@@ -114,3 +115,26 @@ def test_dense_prompt_steps_match_transformers(tiny_model_dir):
             expected = oracle(s[None]).logits[0, -1]
             worst[dense] = max(worst[dense], (logits[i] - expected).abs().max().item())
     assert worst[True] < ATOL and worst[False] < ATOL, worst
+
+
+@torch.no_grad()
+def test_dense_prompt_steps_read_an_fp8_latent_cache_as_the_sparse_path_does(tiny_model_dir):
+    """With the FP8 latent cache (kv_cache_dtype="fp8") the dense path attends to the latents
+    dequantized from it, as the sparse path does (exact: e4m3 times a power of two): two
+    chunked prompts' logits on both paths agree to fp32 rounding."""
+    model, config = load_model(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    chunks = [{0: 7, 1: 10}, {0: 9, 1: 2}]
+    seqs = [torch.randint(3, config.vocab_size, (16,), generator=g) for _ in range(2)]
+    logits = {}
+    for dense in (True, False):
+        harness = PagedHarness(model, 2, 32, kv_cache_dtype="fp8")
+        logits[dense] = []
+        for step in chunks:
+            meta = harness.metadata(step, dense=dense)
+            ids = [seqs[i][harness.lengths[i] - n : harness.lengths[i]] for i, n in step.items()]
+            logits[dense].append(model.compute_logits(model(torch.cat(ids), meta)))
+    for a, b in zip(logits[True], logits[False], strict=True):
+        assert (a - b).abs().max() < ATOL
+    assert is_fp8_cache(model.kv_caches[0])
+    assert logits[False][0].abs().max() > 100 * ATOL  # logits, not zeros
