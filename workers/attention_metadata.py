@@ -17,17 +17,21 @@ from kernels.settings import settings
 
 @dataclass
 class DenseSpans:
-    """A step whose every token sees no more positions than the indexer keeps (position <
-    index_topk): each token's top-k is then every position up to its own, and the attention is
-    dense and causal (`MLAAttention` runs it unabsorbed, with no indexer scoring). Sequence i's
-    q_lens[i] tokens are its last of k_lens[i] positions 0..k_lens[i] - 1, whose cache slots
-    are key_slots[cu_k[i]:cu_k[i + 1]]."""
+    """Sequences of a step whose every token sees no more positions than the indexer keeps
+    (position < index_topk): each token's top-k is then every position up to its own, and its
+    attention is dense and causal (`MLAAttention` runs it unabsorbed, with no indexer scoring).
+    Sequence i's q_lens[i] tokens are its last of k_lens[i] positions 0..k_lens[i] - 1, whose
+    cache slots are key_slots[cu_k[i]:cu_k[i + 1]]. `rows`: the step's rows these tokens are,
+    in order, and `sparse_rows` the step's other rows (decodes, verifies, longer prompts' chunks:
+    the sparse path's); both None when the sequences are the whole step."""
 
     q_lens: list[int]
     k_lens: list[int]
     cu_q: torch.Tensor  # int32 [N + 1]
     cu_k: torch.Tensor  # int32 [N + 1]
     key_slots: torch.Tensor  # int64 [sum(k_lens)]
+    rows: torch.Tensor | None = None  # int64 [sum(q_lens)]
+    sparse_rows: torch.Tensor | None = None  # int64 [T - sum(q_lens)]
 
 
 def dense_prompts_on(device: torch.device) -> bool:
@@ -44,27 +48,43 @@ def dense_spans(
     tables: Sequence[Sequence[int]],
     block_size: int,
     device: torch.device,
+    first_rows: Sequence[int] | None = None,
+    num_rows: int | None = None,
 ) -> DenseSpans:
-    """The spans of a step whose sequence i computes lens[i] tokens from position starts[i], its
-    blocks `tables[i]`; the index tensors built on the host and sent in one copy."""
+    """The spans of the sequences that compute lens[i] tokens from position starts[i], their
+    blocks `tables[i]`; the index tensors built on the host and sent in one copy. `first_rows`:
+    each one's first row in a step of `num_rows` rows that holds other rows too (None: these
+    sequences are the whole step, in order)."""
     k_lens = [start + n for start, n in zip(starts, lens, strict=True)]
-    num_seqs = len(lens)
-    host = np.zeros(2 * (num_seqs + 1) + sum(k_lens), dtype=np.int64)
+    num_seqs, num_dense = len(lens), sum(lens)
+    mixed = first_rows is not None and num_rows is not None and num_rows > num_dense
+    head = 2 * (num_seqs + 1)
+    host = np.zeros(head + sum(k_lens) + (num_rows if mixed else 0), dtype=np.int64)
     host[1 : num_seqs + 1] = np.cumsum(lens)
-    host[num_seqs + 2 : 2 * num_seqs + 2] = np.cumsum(k_lens)
-    slots, at = host[2 * (num_seqs + 1) :], 0
+    host[num_seqs + 2 : head] = np.cumsum(k_lens)
+    slots, at = host[head : head + sum(k_lens)], 0
     for table, m in zip(tables, k_lens, strict=True):
         pos = np.arange(m)
         slots[at : at + m] = np.asarray(table, dtype=np.int64)[pos // block_size] * block_size
         slots[at : at + m] += pos % block_size
         at += m
+    if mixed:  # the dense rows, then the others, each in the step's order
+        dense = np.zeros(num_rows, dtype=bool)
+        for first, n in zip(first_rows, lens, strict=True):
+            dense[first : first + n] = True
+        order = host[head + sum(k_lens) :]
+        order[:num_dense] = np.flatnonzero(dense)
+        order[num_dense:] = np.flatnonzero(~dense)
     pinned = device.type == "cuda"
     sent = torch.from_numpy(host)
     sent = (sent.pin_memory() if pinned else sent).to(device, non_blocking=pinned)
-    cu = sent[: 2 * (num_seqs + 1)].to(torch.int32)
-    return DenseSpans(
-        list(lens), k_lens, cu[: num_seqs + 1], cu[num_seqs + 1 :], sent[2 * (num_seqs + 1) :]
-    )
+    cu = sent[:head].to(torch.int32)
+    key_slots = sent[head : head + sum(k_lens)]
+    spans = DenseSpans(list(lens), k_lens, cu[: num_seqs + 1], cu[num_seqs + 1 :], key_slots)
+    if mixed:
+        order = sent[head + sum(k_lens) :]
+        spans.rows, spans.sparse_rows = order[:num_dense], order[num_dense:]
+    return spans
 
 
 @dataclass

@@ -149,23 +149,27 @@ class Indexer(nn.Module):
         # Score with FP8-rounded Hadamard-rotated q and k, as deployments do (exact by default).
         self.fp8 = False
 
-    def forward(self, x, q_latent, k, cos_sin, meta, k_cache) -> torch.Tensor:
+    def forward(self, x, q_latent, k, cos_sin, meta, k_cache, rows=None) -> torch.Tensor:
+        """-> the top-k positions of each row [T, K], or given `rows` (indices into the step's
+        T) of those rows only [len(rows), K]; every row's index key goes into the cache."""
         if self.src_tp_rank is None:
-            return self.compute(x, q_latent, k, cos_sin, meta, k_cache)
+            return self.compute(x, q_latent, k, cos_sin, meta, k_cache, rows)
         return tp_compute_on_one_rank(
-            lambda: self.compute(x, q_latent, k, cos_sin, meta, k_cache),
-            (x.shape[0], self.topk),
+            lambda: self.compute(x, q_latent, k, cos_sin, meta, k_cache, rows),
+            (x.shape[0] if rows is None else rows.shape[0], self.topk),
             torch.int32,
             x.device,
             self.src_tp_rank,
         )
 
     def write_keys(self, k, cos_sin, meta, k_cache) -> None:
-        """The step's index keys into the cache, for the steps after it (`compute` scores them;
-        a dense step only writes them). Where one TP rank runs the indexer, only that rank
-        does."""
-        if self.src_tp_rank is not None and get_parallel_state().tp_rank != self.src_tp_rank:
-            return
+        """Only the step's index keys into the cache, for the steps after it: a dense step's
+        (`AttentionMetadata.dense`), which selects nothing. Where one TP rank runs the indexer,
+        only that rank does."""
+        if self.src_tp_rank is None or get_parallel_state().tp_rank == self.src_tp_rank:
+            self._write_keys(k, cos_sin, meta, k_cache)
+
+    def _write_keys(self, k, cos_sin, meta, k_cache) -> None:
         cos, sin = cos_sin
         k_rows = ops.indexer_k_cache_write(
             k,
@@ -192,12 +196,17 @@ class Indexer(nn.Module):
         # [num_blocks, block_size, index_head_dim]; FP8 rows (144 bytes a 128-wide key) with
         # the fp8 numerics (workers.kv_cache.CacheFormat)
         k_cache: torch.Tensor,
+        rows: torch.Tensor | None = None,  # score these rows only (see `forward`)
     ) -> torch.Tensor:
+        self._write_keys(k, cos_sin, meta, k_cache)
         cos, sin = cos_sin
+        positions, seq_idx = meta.positions, meta.seq_idx
+        if rows is not None:
+            x, q_latent, cos, sin = x[rows], q_latent[rows], cos[rows], sin[rows]
+            positions, seq_idx = positions[rows], seq_idx[rows]
         num_tokens = x.shape[0]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
         q = ops.rope(q, cos, sin, False, self.rope_dim)  # the first rope_dim dims, half-split
-        self.write_keys(k, cos_sin, meta, k_cache)
         if self.fp8:
             q = ops.indexer_fp8(q)
         weights = ops.linear_fp32(x, self.weights_proj.weight, self.num_heads**-0.5)  # [T, H]
@@ -206,8 +215,8 @@ class Indexer(nn.Module):
             weights,
             k_cache,
             meta.block_tables,
-            meta.seq_idx,
-            meta.positions,
+            seq_idx,
+            positions,
             self.topk,
             self.head_dim**-0.5,
         )
@@ -290,9 +299,10 @@ class MLAAttention(nn.Module):
         kv_cache: torch.Tensor,
         index_cache: torch.Tensor,  # [num_blocks, block_size, index_head_dim] (or FP8 rows)
         topk: torch.Tensor | None = None,  # [T, K] positions to attend to; None: the indexer's
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (output [T, hidden], the top-k positions attended to [T, K]). Given `topk`, the
-        indexer does no work at all (MTP draft steps that share step 0's selection)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (output [T, hidden], the top-k positions attended to [T, K], None in a step with
+        dense rows, `meta.dense`). Given `topk`, the indexer does no work at all (MTP draft
+        steps that share step 0's selection)."""
         cos, sin = cos_sin
         num_tokens = x.shape[0]
         # [T, q_lora], [T, index_head_dim], [T, kv_lora + rope]
@@ -310,38 +320,52 @@ class MLAAttention(nn.Module):
             kv_cache,
             meta.slot_mapping,
         )
-        if topk is None and meta.dense is not None:
+        dense = meta.dense if topk is None else None
+        if dense is not None and dense.sparse_rows is None:  # every row dense
             self.indexer.write_keys(index_k, cos_sin, meta, index_cache)
-            return self.o_proj(self._dense(q_nope, q_rope, kv_cache, meta.dense)), None
+            return self.o_proj(self._dense(q_nope, q_rope, kv_cache, dense)), None
+        # The rows on the sparse path: every row, or where a step mixes dense prompt chunks
+        # with other work, the others (their top-k, their attention).
+        rows = None if dense is None else dense.sparse_rows
+        seq_idx, whole_q = meta.seq_idx, (q_nope, q_rope)
+        if rows is not None:
+            q_nope, q_rope, seq_idx = q_nope[rows], q_rope[rows], seq_idx[rows]
         # A token at p uses only the first min(K, p + 1) entries of the indexer's row (its picks
         # come first, then -1): the attention walks no further. A row shared across draft steps
         # has the steps' own positions after the kept row's padding, so it is walked whole.
         used_positions = None
         if topk is None:
-            topk = self.indexer(x, q_latent, index_k, cos_sin, meta, index_cache)
-            used_positions = meta.positions
+            topk = self.indexer(x, q_latent, index_k, cos_sin, meta, index_cache, rows)
+            used_positions = meta.positions if rows is None else meta.positions[rows]
         q_absorbed = self._absorb_q(q_nope)  # [T, H, kv_lora]
         out_latent = ops.sparse_mla_attention(
             q_absorbed,  # read in place beside q_rope: no [T, H, kv_lora + rope] copy
             kv_cache,
             meta.block_tables,
-            meta.seq_idx,
+            seq_idx,
             topk,
             self.softmax_scale,
             self.kv_lora_rank,
             q_rope,
             used_positions,
         )  # [T, H, kv_lora_rank]
-        out = self._absorb_out(out_latent).reshape(num_tokens, -1)  # [T, H * v]
+        out = self._absorb_out(out_latent).reshape(q_nope.shape[0], -1)  # [T, H * v]
+        if dense is not None:  # the dense rows' attention beside the sparse rows'
+            whole = out.new_empty(num_tokens, out.shape[1])
+            whole[rows] = out
+            dense_q = (part[dense.rows] for part in whole_q)
+            whole[dense.rows] = self._dense(*dense_q, kv_cache, dense)
+            return self.o_proj(whole), None
         return self.o_proj(out), topk
 
     def _dense(self, q_nope, q_rope, kv_cache, dense: DenseSpans) -> torch.Tensor:
-        """The attention of a step whose tokens see no more positions than the indexer keeps
-        (`AttentionMetadata.dense`): every token attends to every position up to its own, so
-        the sparse attention is plain causal attention. It runs unabsorbed, as DeepSeek's
-        reference prefills: each sequence's latents up-projected through kv_b_proj into keys
-        and values (576 + 512 multiply-adds per query head and key become 192 + 128), then one
-        flash-attention launch. -> [T, H * v]."""
+        """The attention of a step's rows that see no more positions than the indexer keeps
+        (`AttentionMetadata.dense`; q_nope and q_rope theirs, [R, H, .]): every such token
+        attends to every position up to its own, so the sparse attention is plain causal
+        attention. It runs unabsorbed, as DeepSeek's reference prefills: each sequence's
+        latents up-projected through kv_b_proj into keys and values (576 + 512 multiply-adds
+        per query head and key become 192 + 128), then one flash-attention launch over all of
+        them. -> [R, H * v]."""
         num_tokens, num_heads = q_nope.shape[:2]
         rows = kv_cache.view(-1, kv_cache.shape[-1])
         if is_fp8_cache(kv_cache):

@@ -278,13 +278,16 @@ class ModelRunner:
                 logit_rows.extend(range(first, start + len(s.token_ids)))
             start += len(s.token_ids)
         meta = AttentionMetadata(positions, slots, seq_idx, device_tables)
-        if graph_key is None and self._dense_step(seqs):
+        dense = self._dense_seqs(seqs) if graph_key is None else []
+        if dense:
             meta.dense = dense_spans(
-                [s.start_position for s in seqs],
-                [len(s.token_ids) for s in seqs],
-                tables,
+                [seqs[i].start_position for i in dense],
+                [len(seqs[i].token_ids) for i in dense],
+                [tables[i] for i in dense],
                 self.block_size,
                 self.device,
+                [offsets[i] for i in dense],
+                start,  # the step's rows
             )
         return StepTensors(
             seqs=seqs,
@@ -528,20 +531,27 @@ class ModelRunner:
             and sum(len(s.token_ids) for s in seqs) >= self.w8a8_prompt_rows
         )
 
-    def _dense_step(self, seqs: list[SeqWork]) -> bool:
-        """A step of prompt tokens only whose every token lies before index_topk: each one's
-        top-k is every position up to its own (the indexer keeps min(index_topk, p + 1)), so
-        its attention is dense and causal and runs so (`MLAAttention._dense`), without the
-        indexer's scoring. Decodes and verifies keep the sparse path, as in the graphs. The
-        keys it up-projects (every position of every sequence) stay within twice the larger of
-        index_topk and the step's tokens: its transient keys and values then take about what
-        the sparse path's absorbed queries and outputs do."""
-        if not (self.dense_prompts and carries_only_prompts(seqs)):
-            return False
+    def _dense_seqs(self, seqs: list[SeqWork]) -> list[int]:
+        """The sequences of an eager step whose tokens attend densely: prompt chunks (no
+        drafts, not a decode's one sampled token) whose every token lies before index_topk,
+        so that each one's top-k is every position up to its own (the indexer keeps
+        min(index_topk, p + 1)); their attention is dense and causal and runs so
+        (`MLAAttention._dense`), without the indexer's scoring. The step's other rows, and
+        decodes and verifies everywhere (as in the graphs), keep the sparse path. The keys
+        the dense rows up-project (every position of their sequences) stay within twice the
+        larger of index_topk and their tokens: their transient keys and values then take
+        about what the sparse path's absorbed queries and outputs would."""
+        if not self.dense_prompts:
+            return []
         topk = self.model.config.index_topk
-        ends = [s.start_position + len(s.token_ids) for s in seqs]
-        num_tokens = sum(len(s.token_ids) for s in seqs)
-        return max(ends) <= topk and sum(ends) <= 2 * max(topk, num_tokens)
+        dense = [
+            i
+            for i, s in enumerate(seqs)
+            if carries_only_prompts([s]) and s.start_position + len(s.token_ids) <= topk
+        ]
+        keys = sum(seqs[i].start_position + len(seqs[i].token_ids) for i in dense)
+        tokens = sum(len(seqs[i].token_ids) for i in dense)
+        return dense if keys <= 2 * max(topk, tokens) else []
 
     def _graphable(self, seqs: list[SeqWork], q: int | None) -> bool:
         """Decode steps replay a CUDA graph: every sequence samples every one of its tokens'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from workers.attention_metadata import AttentionMetadata, dense_spans
@@ -37,11 +38,16 @@ class PagedHarness:
         self.block_tables = self.block_tables.to(torch.int32).contiguous()
         self.lengths = [0] * num_seqs
 
-    def metadata(self, chunks: dict[int, int], dense: bool = False) -> AttentionMetadata:
+    def metadata(self, chunks: dict[int, int], dense: bool | set[int] = False) -> AttentionMetadata:
         """chunks: seq -> number of new tokens this step (positions continue from its length).
-        `dense`: the step's spans for the dense attention path (`AttentionMetadata.dense`), as
-        the model runner sets them for a prompt step before index_topk."""
-        starts = [self.lengths[seq] for seq in chunks]
+        `dense`: spans for the dense attention path (`AttentionMetadata.dense`), as the model
+        runner sets them for prompt chunks before index_topk: every sequence's (True) or these
+        sequences' beside the others' rows on the sparse path."""
+        if dense is True:
+            dense = set(chunks)
+        picked = [seq for seq in chunks if dense and seq in dense]
+        first_rows = dict(zip(chunks, np.cumsum([0, *chunks.values()]).tolist(), strict=False))
+        starts = [self.lengths[seq] for seq in picked]
         positions, seq_idx, slots = [], [], []
         for seq, n in chunks.items():
             for p in range(self.lengths[seq], self.lengths[seq] + n):
@@ -57,11 +63,13 @@ class PagedHarness:
             block_tables=self.block_tables,
             dense=dense_spans(
                 starts,
-                list(chunks.values()),
-                [self.block_tables[seq].tolist() for seq in chunks],
+                [chunks[seq] for seq in picked],
+                [self.block_tables[seq].tolist() for seq in picked],
                 BLOCK,
                 torch.device("cpu"),
+                [first_rows[seq] for seq in picked],
+                len(positions),
             )
-            if dense
+            if picked
             else None,
         )

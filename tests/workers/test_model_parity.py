@@ -138,3 +138,38 @@ def test_dense_prompt_steps_read_an_fp8_latent_cache_as_the_sparse_path_does(tin
         assert (a - b).abs().max() < ATOL
     assert is_fp8_cache(model.kv_caches[0])
     assert logits[False][0].abs().max() > 100 * ATOL  # logits, not zeros
+
+
+@torch.no_grad()
+def test_dense_prompt_chunks_beside_sparse_rows_match_transformers(tiny_model_dir):
+    """A step that mixes dense prompt chunks (before index_topk) with rows on the sparse path:
+    a decode past index_topk, a chunk that crosses it, a decode before it. Each row's logits
+    against the oracle's, the dense rows first, last and between the others."""
+    model, config = load_model(tiny_model_dir, dtype=torch.float32)
+    oracle = _oracle(tiny_model_dir)
+    topk = config.index_topk
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, config.vocab_size, (40,), generator=g) for _ in range(5)]
+    harness = PagedHarness(model, 5, 48)
+    # Before: seq 0 holds topk + 4 positions, seq 2 topk - 3, seq 3 five.
+    first = {0: topk + 4, 2: topk - 3, 3: 5}
+    meta = harness.metadata(first)
+    ids = torch.cat([seqs[i][:n] for i, n in first.items()])
+    model.compute_logits(model(ids, meta))
+    # The step: seq 1's first chunk (dense), seq 0's decode (sparse), seq 3's second chunk up
+    # to topk (dense), seq 2's chunk across topk (sparse), seq 4's whole prompt (dense).
+    step = {1: 9, 0: 1, 3: topk - 5, 2: 6, 4: topk}
+    meta = harness.metadata(step, dense={1, 3, 4})
+    assert meta.dense.rows.tolist() == [
+        *range(9),
+        *range(10, 10 + topk - 5),
+        *range(10 + topk - 5 + 6, 10 + topk - 5 + 6 + topk),
+    ]
+    ids = torch.cat([seqs[i][harness.lengths[i] - n : harness.lengths[i]] for i, n in step.items()])
+    logits = model.compute_logits(model(ids, meta))
+    worst, offset = 0.0, 0
+    for i, n in step.items():
+        expected = oracle(seqs[i][None, : harness.lengths[i]]).logits[0, -n:]
+        worst = max(worst, (logits[offset : offset + n] - expected).abs().max().item())
+        offset += n
+    assert worst < ATOL

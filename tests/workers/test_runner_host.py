@@ -483,10 +483,10 @@ def test_prompt_only_steps_run_eagerly_in_a_prompt_step(tiny_model_dir):
 
 
 def test_prompt_steps_before_index_topk_attend_densely(tiny_model_dir):
-    """A step of prompt tokens only whose tokens all lie before index_topk carries dense spans
-    (`ModelRunner._dense_step`); decodes, verifies, steps that mix them with prompts and
-    chunks past index_topk take the sparse path. Greedy tokens, with MTP and without, equal
-    those of the same engine with the dense path off."""
+    """In an eager step the prompt chunks whose tokens all lie before index_topk attend
+    densely (`ModelRunner._dense_seqs`), alone or beside decodes, verifies and chunks past
+    index_topk, which keep the sparse path. Greedy tokens, with MTP and without, equal those
+    of the same engine with the dense path off."""
     prompts, params = _arrivals(5, [40, 12, 3, 16, 9])
     together, together_params = _arrivals(6, [9, 15, 2, 16])  # one step of four prompts
     for k in (0, 2):
@@ -500,9 +500,7 @@ def test_prompt_steps_before_index_topk_attend_densely(tiny_model_dir):
 
             def spy(seqs, tables, prepare=prepare, seen=steps[dense]):
                 batch = prepare(seqs, tables)
-                ends = [s.start_position + len(s.token_ids) for s in seqs]
-                tokens = sum(len(s.token_ids) for s in seqs)
-                seen.append((carries_only_prompts(seqs), ends, tokens, batch.meta.dense))
+                seen.append((seqs, batch.offsets, batch.meta.dense))
                 return batch
 
             runner._prepare = spy
@@ -511,18 +509,35 @@ def test_prompt_steps_before_index_topk_attend_densely(tiny_model_dir):
         assert outputs[True] == outputs[False]
         topk = llm.engine.executor.worker.config.index_topk
         assert not any(dense for *_, dense in steps[False])
-        for only_prompts, ends, tokens, dense in steps[True]:
-            keys_bounded = sum(ends) <= 2 * max(topk, tokens)
-            assert (dense is not None) == (only_prompts and max(ends) <= topk and keys_bounded)
-            if dense is not None:  # each sequence's tokens the last of its positions
-                assert dense.k_lens == ends and sum(dense.q_lens) == tokens
-        assert any(dense for *_, dense in steps[True])
-        assert any(p and not d for p, _, _, d in steps[True])  # the 40-token prompt's chunk
+        kinds = set()
+        for seqs, offsets, dense in steps[True]:
+            eligible = [
+                i
+                for i, s in enumerate(seqs)
+                if carries_only_prompts([s]) and s.start_position + len(s.token_ids) <= topk
+            ]
+            assert (dense is not None) == bool(eligible)
+            if dense is None:
+                continue
+            rows = [offsets[i] + j for i in eligible for j in range(len(seqs[i].token_ids))]
+            assert dense.k_lens == [
+                seqs[i].start_position + len(seqs[i].token_ids) for i in eligible
+            ]
+            if len(rows) == sum(len(s.token_ids) for s in seqs):
+                assert dense.rows is None and dense.sparse_rows is None
+                kinds.add("all dense")
+            else:
+                assert dense.rows.tolist() == rows
+                others = sorted(set(range(offsets[-1] + len(seqs[-1].token_ids))) - set(rows))
+                assert dense.sparse_rows.tolist() == others
+                kinds.add("mixed")
+        assert kinds == {"all dense", "mixed"}
 
 
 def test_dense_steps_bound_the_keys_they_up_project():
-    """`ModelRunner._dense_step`'s rule: prompt tokens only, all before index_topk, and at most
-    twice max(index_topk, the step's tokens) positions over its sequences."""
+    """`ModelRunner._dense_seqs`' rule: prompt chunks whose tokens all lie before index_topk,
+    whatever else the step holds, and at most twice max(index_topk, their tokens) positions
+    over them."""
     from types import SimpleNamespace
 
     from workers.model_runner import ModelRunner
@@ -535,14 +550,14 @@ def test_dense_steps_bound_the_keys_they_up_project():
     )
 
     def dense(*seqs):
-        return ModelRunner._dense_step(runner, list(seqs))
+        return ModelRunner._dense_seqs(runner, list(seqs))
 
-    assert dense(seq(0, 16))  # a prompt of index_topk tokens
-    assert not dense(seq(0, 17))  # its last token has 17 positions to choose from
-    assert dense(seq(10, 6), seq(0, 3, samples=False))  # a last chunk after a context
-    assert not dense(seq(10, 6), seq(5, 1))  # beside a decode
-    assert not dense(seq(3, 2, drafts=1))  # a verify
-    assert dense(*[seq(6, 2) for _ in range(4)])  # 32 positions for 8 tokens: 2 x 16
-    assert not dense(*[seq(7, 2) for _ in range(4)])  # 36
+    assert dense(seq(0, 16)) == [0]  # a prompt of index_topk tokens
+    assert dense(seq(0, 17)) == []  # its last token has 17 positions to choose from
+    assert dense(seq(10, 6), seq(0, 3, samples=False)) == [0, 1]  # a last chunk after a context
+    assert dense(seq(5, 1), seq(10, 6)) == [1]  # beside a decode
+    assert dense(seq(3, 2, drafts=1), seq(20, 3), seq(0, 4)) == [2]  # a verify, a long prompt
+    assert dense(*[seq(6, 2) for _ in range(4)]) == [0, 1, 2, 3]  # 32 positions: 2 x 16
+    assert dense(*[seq(7, 2) for _ in range(4)]) == []  # 36
     runner.dense_prompts = False
-    assert not dense(seq(0, 16))
+    assert dense(seq(0, 16)) == []
