@@ -53,8 +53,9 @@ def dense_spans(
 ) -> DenseSpans:
     """The spans of the sequences that compute lens[i] tokens from position starts[i], their
     blocks `tables[i]`; the index tensors built on the host and sent in one copy. `first_rows`:
-    each one's first row in a step of `num_rows` rows that holds other rows too (None: these
-    sequences are the whole step, in order)."""
+    each one's first row in a step of `num_rows` rows that holds other rows too, in the step's
+    order (its tokens there from that row on; None: these sequences are the whole step, in
+    order)."""
     k_lens = [start + n for start, n in zip(starts, lens, strict=True)]
     num_seqs, num_dense = len(lens), sum(lens)
     mixed = first_rows is not None and num_rows is not None and num_rows > num_dense

@@ -278,15 +278,15 @@ class ModelRunner:
                 logit_rows.extend(range(first, start + len(s.token_ids)))
             start += len(s.token_ids)
         meta = AttentionMetadata(positions, slots, seq_idx, device_tables)
-        dense = self._dense_seqs(seqs) if graph_key is None else []
+        dense = self._dense_rows(seqs) if graph_key is None else []
         if dense:
             meta.dense = dense_spans(
-                [seqs[i].start_position for i in dense],
-                [len(seqs[i].token_ids) for i in dense],
-                [tables[i] for i in dense],
+                [seqs[i].start_position for i, _ in dense],
+                [n for _, n in dense],
+                [tables[i] for i, _ in dense],
                 self.block_size,
                 self.device,
-                [offsets[i] for i in dense],
+                [offsets[i] for i, _ in dense],
                 start,  # the step's rows
             )
         return StepTensors(
@@ -531,26 +531,27 @@ class ModelRunner:
             and sum(len(s.token_ids) for s in seqs) >= self.w8a8_prompt_rows
         )
 
-    def _dense_seqs(self, seqs: list[SeqWork]) -> list[int]:
-        """The sequences of an eager step whose tokens attend densely: prompt chunks (no
-        drafts, not a decode's one sampled token) whose every token lies before index_topk,
-        so that each one's top-k is every position up to its own (the indexer keeps
-        min(index_topk, p + 1)); their attention is dense and causal and runs so
-        (`MLAAttention._dense`), without the indexer's scoring. The step's other rows, and
-        decodes and verifies everywhere (as in the graphs), keep the sparse path. The keys
-        the dense rows up-project (every position of their sequences) stay within twice the
-        larger of index_topk and their tokens: their transient keys and values then take
-        about what the sparse path's absorbed queries and outputs would."""
+    def _dense_rows(self, seqs: list[SeqWork]) -> list[tuple[int, int]]:
+        """(sequence, its first n tokens) of an eager step that attend densely: the tokens of
+        prompt chunks (no drafts, not a decode's one sampled token) that lie before
+        index_topk, each one's top-k then every position up to its own (the indexer keeps
+        min(index_topk, p + 1)). Their attention is dense and causal and runs so
+        (`MLAAttention._dense`), without the indexer's scoring; the step's other rows (a
+        chunk's tokens from index_topk on, decodes and verifies, which keep it in the graphs
+        too) take the sparse path. The keys the dense rows up-project (every position up to
+        theirs) stay within twice the larger of index_topk and their tokens: their transient
+        keys and values then take about what the sparse path's absorbed queries and outputs
+        would."""
         if not self.dense_prompts:
             return []
         topk = self.model.config.index_topk
         dense = [
-            i
+            (i, min(len(s.token_ids), topk - s.start_position))
             for i, s in enumerate(seqs)
-            if carries_only_prompts([s]) and s.start_position + len(s.token_ids) <= topk
+            if carries_only_prompts([s]) and s.start_position < topk
         ]
-        keys = sum(seqs[i].start_position + len(seqs[i].token_ids) for i in dense)
-        tokens = sum(len(seqs[i].token_ids) for i in dense)
+        keys = sum(seqs[i].start_position + n for i, n in dense)
+        tokens = sum(n for _, n in dense)
         return dense if keys <= 2 * max(topk, tokens) else []
 
     def _graphable(self, seqs: list[SeqWork], q: int | None) -> bool:

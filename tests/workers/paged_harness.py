@@ -38,14 +38,18 @@ class PagedHarness:
         self.block_tables = self.block_tables.to(torch.int32).contiguous()
         self.lengths = [0] * num_seqs
 
-    def metadata(self, chunks: dict[int, int], dense: bool | set[int] = False) -> AttentionMetadata:
+    def metadata(
+        self, chunks: dict[int, int], dense: bool | set[int] | dict[int, int] = False
+    ) -> AttentionMetadata:
         """chunks: seq -> number of new tokens this step (positions continue from its length).
         `dense`: spans for the dense attention path (`AttentionMetadata.dense`), as the model
-        runner sets them for prompt chunks before index_topk: every sequence's (True) or these
-        sequences' beside the others' rows on the sparse path."""
-        if dense is True:
-            dense = set(chunks)
-        picked = [seq for seq in chunks if dense and seq in dense]
+        runner sets them for prompt tokens before index_topk: every sequence's (True), these
+        sequences' or these sequences' first n tokens ({seq: n}), beside the other rows on the
+        sparse path."""
+        if dense is True or isinstance(dense, set):
+            dense = {seq: chunks[seq] for seq in chunks if dense is True or seq in dense}
+        dense = dense or {}
+        picked = [seq for seq in chunks if seq in dense]
         first_rows = dict(zip(chunks, np.cumsum([0, *chunks.values()]).tolist(), strict=False))
         starts = [self.lengths[seq] for seq in picked]
         positions, seq_idx, slots = [], [], []
@@ -63,7 +67,7 @@ class PagedHarness:
             block_tables=self.block_tables,
             dense=dense_spans(
                 starts,
-                [chunks[seq] for seq in picked],
+                [dense[seq] for seq in picked],
                 [self.block_tables[seq].tolist() for seq in picked],
                 BLOCK,
                 torch.device("cpu"),

@@ -142,8 +142,8 @@ def test_dense_prompt_steps_read_an_fp8_latent_cache_as_the_sparse_path_does(tin
 
 @torch.no_grad()
 def test_dense_prompt_chunks_beside_sparse_rows_match_transformers(tiny_model_dir):
-    """A step that mixes dense prompt chunks (before index_topk) with rows on the sparse path:
-    a decode past index_topk, a chunk that crosses it, a decode before it. Each row's logits
+    """A step that mixes dense prompt rows (before index_topk) with rows on the sparse path: a
+    decode past index_topk, the tokens of two chunks from index_topk on. Each row's logits
     against the oracle's, the dense rows first, last and between the others."""
     model, config = load_model(tiny_model_dir, dtype=torch.float32)
     oracle = _oracle(tiny_model_dir)
@@ -157,14 +157,14 @@ def test_dense_prompt_chunks_beside_sparse_rows_match_transformers(tiny_model_di
     ids = torch.cat([seqs[i][:n] for i, n in first.items()])
     model.compute_logits(model(ids, meta))
     # The step: seq 1's first chunk (dense), seq 0's decode (sparse), seq 3's second chunk up
-    # to topk (dense), seq 2's chunk across topk (sparse), seq 4's whole prompt (dense).
-    step = {1: 9, 0: 1, 3: topk - 5, 2: 6, 4: topk}
-    meta = harness.metadata(step, dense={1, 3, 4})
-    assert meta.dense.rows.tolist() == [
-        *range(9),
-        *range(10, 10 + topk - 5),
-        *range(10 + topk - 5 + 6, 10 + topk - 5 + 6 + topk),
-    ]
+    # to topk (dense), seq 2's chunk across topk (its first 3 tokens dense), seq 4's whole
+    # prompt, past topk by 2 (all but its last 2 dense).
+    step = {1: 9, 0: 1, 3: topk - 5, 2: 6, 4: topk + 2}
+    meta = harness.metadata(step, dense={1: 9, 3: topk - 5, 2: 3, 4: topk})
+    starts = dict(zip(step, [0, 9, 10, 5 + topk, 11 + topk], strict=True))
+    dense_rows = ((1, 9), (3, topk - 5), (2, 3), (4, topk))
+    want = [r for seq, n in dense_rows for r in range(starts[seq], starts[seq] + n)]
+    assert meta.dense.rows.tolist() == want
     ids = torch.cat([seqs[i][harness.lengths[i] - n : harness.lengths[i]] for i, n in step.items()])
     logits = model.compute_logits(model(ids, meta))
     worst, offset = 0.0, 0

@@ -483,9 +483,9 @@ def test_prompt_only_steps_run_eagerly_in_a_prompt_step(tiny_model_dir):
 
 
 def test_prompt_steps_before_index_topk_attend_densely(tiny_model_dir):
-    """In an eager step the prompt chunks whose tokens all lie before index_topk attend
-    densely (`ModelRunner._dense_seqs`), alone or beside decodes, verifies and chunks past
-    index_topk, which keep the sparse path. Greedy tokens, with MTP and without, equal those
+    """In an eager step the tokens of prompt chunks that lie before index_topk attend densely
+    (`ModelRunner._dense_rows`), alone or beside decodes, verifies and tokens from index_topk
+    on, which keep the sparse path. Greedy tokens, with MTP and without, equal those
     of the same engine with the dense path off."""
     prompts, params = _arrivals(5, [40, 12, 3, 16, 9])
     together, together_params = _arrivals(6, [9, 15, 2, 16])  # one step of four prompts
@@ -512,17 +512,15 @@ def test_prompt_steps_before_index_topk_attend_densely(tiny_model_dir):
         kinds = set()
         for seqs, offsets, dense in steps[True]:
             eligible = [
-                i
+                (i, min(len(s.token_ids), topk - s.start_position))
                 for i, s in enumerate(seqs)
-                if carries_only_prompts([s]) and s.start_position + len(s.token_ids) <= topk
+                if carries_only_prompts([s]) and s.start_position < topk
             ]
             assert (dense is not None) == bool(eligible)
             if dense is None:
                 continue
-            rows = [offsets[i] + j for i in eligible for j in range(len(seqs[i].token_ids))]
-            assert dense.k_lens == [
-                seqs[i].start_position + len(seqs[i].token_ids) for i in eligible
-            ]
+            rows = [offsets[i] + j for i, n in eligible for j in range(n)]
+            assert dense.k_lens == [seqs[i].start_position + n for i, n in eligible]
             if len(rows) == sum(len(s.token_ids) for s in seqs):
                 assert dense.rows is None and dense.sparse_rows is None
                 kinds.add("all dense")
@@ -534,8 +532,8 @@ def test_prompt_steps_before_index_topk_attend_densely(tiny_model_dir):
         assert kinds == {"all dense", "mixed"}
 
 
-def test_dense_steps_bound_the_keys_they_up_project():
-    """`ModelRunner._dense_seqs`' rule: prompt chunks whose tokens all lie before index_topk,
+def test_dense_rows_are_prompt_tokens_before_index_topk():
+    """`ModelRunner._dense_rows`' rule: the tokens of prompt chunks that lie before index_topk,
     whatever else the step holds, and at most twice max(index_topk, their tokens) positions
     over them."""
     from types import SimpleNamespace
@@ -550,14 +548,15 @@ def test_dense_steps_bound_the_keys_they_up_project():
     )
 
     def dense(*seqs):
-        return ModelRunner._dense_seqs(runner, list(seqs))
+        return ModelRunner._dense_rows(runner, list(seqs))
 
-    assert dense(seq(0, 16)) == [0]  # a prompt of index_topk tokens
-    assert dense(seq(0, 17)) == []  # its last token has 17 positions to choose from
-    assert dense(seq(10, 6), seq(0, 3, samples=False)) == [0, 1]  # a last chunk after a context
-    assert dense(seq(5, 1), seq(10, 6)) == [1]  # beside a decode
-    assert dense(seq(3, 2, drafts=1), seq(20, 3), seq(0, 4)) == [2]  # a verify, a long prompt
-    assert dense(*[seq(6, 2) for _ in range(4)]) == [0, 1, 2, 3]  # 32 positions: 2 x 16
-    assert dense(*[seq(7, 2) for _ in range(4)]) == []  # 36
+    assert dense(seq(0, 16)) == [(0, 16)]  # a prompt of index_topk tokens
+    assert dense(seq(0, 17)) == [(0, 16)]  # its last token has 17 positions to choose from
+    assert dense(seq(16, 5)) == []  # a chunk from index_topk on
+    assert dense(seq(10, 6), seq(0, 3, samples=False)) == [(0, 6), (1, 3)]  # after a context
+    assert dense(seq(5, 1), seq(10, 9)) == [(1, 6)]  # beside a decode, across index_topk
+    assert dense(seq(3, 2, drafts=1), seq(20, 3), seq(0, 4)) == [(2, 4)]  # a verify, a chunk
+    assert dense(*[seq(6, 2) for _ in range(4)]) == [(i, 2) for i in range(4)]  # 32 positions
+    assert dense(*[seq(7, 2) for _ in range(4)]) == []  # 36 positions for 8 tokens
     runner.dense_prompts = False
     assert dense(seq(0, 16)) == []
