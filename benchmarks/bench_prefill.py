@@ -64,7 +64,7 @@ def main() -> None:
                 best[mode] = min(best.get(mode, seconds), seconds)
                 tokens.setdefault(mode, []).extend(o.token_ids for o in outs)
         rates = {mode: length * args.num_prompts / s for mode, s in best.items()}
-        note = "" if length <= topk else " (past index_topk: both sparse)"
+        note = "" if length <= topk else f" (dense: the first {topk} of each)"
         print(
             f"| {length}{note} | {rates['on']:.0f} | {rates['off']:.0f} | "
             f"{rates['on'] / rates['off']:.2f}x | {tokens['on'] == tokens['off']} |"
