@@ -218,7 +218,7 @@ class DecodeBench:
         token a sequence is a step of prompt chunks: it runs inside `ops.prompt_step`, as the
         model runner runs one (an FP8 model's matmuls then take w8a8 by default), and where
         its tokens all lie before index_topk it attends densely as the runner's does
-        (`ModelRunner._dense_step`), unless `dense` is False."""
+        (`ModelRunner._dense_rows`), unless `dense` is False."""
         from kernels import ops
         from workers.attention_metadata import AttentionMetadata, dense_spans
 

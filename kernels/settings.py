@@ -13,9 +13,9 @@
   prompt tokens only (`kernels.ops.prompt_step`), so decodes and verifies keep one kernel
   whatever the batch; `all` (or 1 / true / yes / on) in every such step; `off` (or 0 / false /
   no) never;
-- `MTPSERVE_DENSE_PROMPTS` (`dense_prompts`, one of `DENSE_PROMPT_MODES`): whether a step of
-  prompt tokens that all lie before the indexer's top-k size attends densely (unabsorbed causal
-  attention, no indexer scoring; `workers.model_runner.ModelRunner._dense_step`). `auto` (unset:
+- `MTPSERVE_DENSE_PROMPTS` (`dense_prompts`, one of `DENSE_PROMPT_MODES`): whether an eager
+  step's prompt tokens before the indexer's top-k size attend densely (unabsorbed causal
+  attention, no indexer scoring; `workers.model_runner.ModelRunner._dense_rows`). `auto` (unset:
   the default) where the dense path has been verified: the CPU; on (1 / true / yes / on)
   everywhere; off (0 / false / no) nowhere;
 - `TRITON_INTERPRET=1` (`triton_interpret`): Triton's interpreter runs the kernels (no PDL);

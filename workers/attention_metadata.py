@@ -17,9 +17,10 @@ from kernels.settings import settings
 
 @dataclass
 class DenseSpans:
-    """Sequences of a step whose every token sees no more positions than the indexer keeps
-    (position < index_topk): each token's top-k is then every position up to its own, and its
-    attention is dense and causal (`MLAAttention` runs it unabsorbed, with no indexer scoring).
+    """Tokens of a step that see no more positions than the indexer keeps (position <
+    index_topk), each sequence's a run of its rows: each token's top-k is then every position
+    up to its own, and its attention is dense and causal (`MLAAttention` runs it unabsorbed,
+    with no indexer scoring).
     Sequence i's q_lens[i] tokens are its last of k_lens[i] positions 0..k_lens[i] - 1, whose
     cache slots are key_slots[cu_k[i]:cu_k[i + 1]]. `rows`: the step's rows these tokens are,
     in order, and `sparse_rows` the step's other rows (decodes, verifies, longer prompts' chunks:
@@ -95,8 +96,8 @@ class AttentionMetadata:
     seq_idx: torch.Tensor  # [T] int64, row of block_tables that holds the token's sequence
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     rope_cache: dict = field(default_factory=dict)
-    # Set by the model runner for an eager step of prompt tokens that all lie before
-    # index_topk: the model's attention layers then take the dense path (see DenseSpans).
+    # Set by the model runner for an eager step that holds prompt tokens before index_topk:
+    # the model's attention layers take the dense path for those rows (see DenseSpans).
     dense: DenseSpans | None = None
 
     @property

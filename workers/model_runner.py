@@ -100,13 +100,13 @@ class ModelRunner:
         # worker's warm-up turns this off for its dummy prefills, which are there to compile
         # the eager path's kernel variants.
         self.prefill_in_graphs = True
+        # An eager step's prompt tokens before the indexer's top-k size attend densely
+        # (`_dense_rows`): their top-k would be every position. The warm-up turns this off for
+        # its dummy prefills of the sparse path's kernels.
+        self.dense_prompts = dense_prompts_on(device)
         # From this many tokens a step of prompt tokens only runs eagerly inside
         # `ops.prompt_step`, so an FP8 model's matmuls take the w8a8 kernels there (the graphs
         # hold the w8a16 ones); None: never (no FP8 weights, or w8a8 not for prompt steps here).
-        # An eager step of prompt tokens only, all before the indexer's top-k size, attends
-        # densely (`AttentionMetadata.dense`): its tokens' top-k would be every position. The
-        # warm-up turns this off for its dummy prefills of the sparse path's kernels.
-        self.dense_prompts = dense_prompts_on(device)
         holds_fp8 = any(getattr(m, "is_fp8", False) for m in model.modules())
         self.w8a8_prompt_rows = ops.w8a8_prompt_rows(device) if holds_fp8 else None
         if device.type == "cuda" and cuda_graph_max_batch > 0:

@@ -354,7 +354,7 @@ class Worker:
                     self._warm_up_request(num_tokens, num_draft_tokens, share_topk)
                 self.runner.w8a8_prompt_rows = None
             if dense:
-                # Prompt steps before index_topk attend densely (ModelRunner._dense_step), as
+                # Prompt tokens before index_topk attend densely (ModelRunner._dense_rows), as
                 # these would: the first so, the rest on the sparse path, whose prefill
                 # variants a longer prompt's chunks or a mixed step take.
                 self._warm_up_request(lengths[0], num_draft_tokens, share_topk)
