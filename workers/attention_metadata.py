@@ -36,11 +36,11 @@ class DenseSpans:
 
 
 def dense_prompts_on(device: torch.device) -> bool:
-    """Whether prompt steps before index_topk attend densely on this device by default
-    (MTPSERVE_DENSE_PROMPTS): `auto` where the dense path is verified, the CPU. On CUDA it
-    runs PyTorch's flash-attention kernel, not yet measured on a GPU here: `on` there opts in."""
+    """Whether prompt tokens before index_topk attend densely on this device
+    (MTPSERVE_DENSE_PROMPTS): `auto` where the dense path is verified, the CPU (the twin) and
+    CUDA (PyTorch's flash-attention kernel in 16 bits, the twin in fp32)."""
     mode = settings().dense_prompts
-    return mode == "on" or (mode == "auto" and device.type == "cpu")
+    return mode == "on" or (mode == "auto" and device.type in ("cpu", "cuda"))
 
 
 def dense_spans(

@@ -146,17 +146,19 @@ def test_w8a8_modes(monkeypatch, value, mode) -> None:
 
 
 @pytest.mark.parametrize(
-    "value, mode, cpu, cuda",
-    [("", "auto", True, False), ("auto", "auto", True, False), ("1", "on", True, True)]
-    + [("ON", "on", True, True), ("off", "off", False, False), ("0", "off", False, False)],
+    "value, mode, cpu, cuda, mps",
+    [("", "auto", True, True, False), ("auto", "auto", True, True, False)]
+    + [("1", "on", True, True, True), ("ON", "on", True, True, True)]
+    + [("off", "off", False, False, False), ("0", "off", False, False, False)],
 )
-def test_dense_prompt_modes(monkeypatch, value, mode, cpu, cuda) -> None:
+def test_dense_prompt_modes(monkeypatch, value, mode, cpu, cuda, mps) -> None:
     from workers.attention_metadata import dense_prompts_on
 
     monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", value)
     assert reload_settings().dense_prompts == mode
     assert dense_prompts_on(torch.device("cpu")) == cpu
     assert dense_prompts_on(torch.device("cuda")) == cuda
+    assert dense_prompts_on(torch.device("mps")) == mps  # not verified there: auto keeps it off
     monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", "dense")
     with pytest.raises(SettingsError, match="MTPSERVE_DENSE_PROMPTS='dense'"):
         reload_settings()

@@ -301,10 +301,10 @@ def test_gpu_a_second_engines_warm_up_is_not_the_firsts_late_compile(tiny_model_
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_gpu_dense_prompt_steps(tiny_model_dir, prompts, monkeypatch, k):
-    """MTPSERVE_DENSE_PROMPTS=on: prompt steps before index_topk attend densely on the GPU
-    (PyTorch's flash kernel in bf16, the twin in fp32). fp32 greedy equals the CPU's (dense
-    there by default), with MTP k and without; bf16 greedy with the dense path and MTP k equals
-    bf16 greedy on the sparse path up to near ties (the prompt steps differ in their last
+    """Prompt tokens before index_topk attend densely on the GPU by default (PyTorch's flash
+    kernel in bf16, the twin in fp32). fp32 greedy equals the CPU's (dense there too), with MTP
+    k and without; bf16 greedy with the dense path and MTP k equals bf16 greedy on the sparse
+    path (MTPSERVE_DENSE_PROMPTS=off) up to near ties (the prompt steps differ in their last
     bits)."""
     from kernels.settings import reload_settings
 
@@ -315,18 +315,20 @@ def test_gpu_dense_prompt_steps(tiny_model_dir, prompts, monkeypatch, k):
             prompts, params
         )
     ]
-    sparse = LLM(tiny_model_dir, device="cuda", dtype="bfloat16", num_draft_tokens=0).generate(
-        prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=20)
-    )
-    monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", "on")
+    monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", "off")
     reload_settings()
     try:
-        fp32, llm = _tokens(tiny_model_dir, prompts, dtype="float32", num_draft_tokens=k)
-        assert llm.engine.executor.worker.runner.dense_prompts
-        assert llm.engine.executor.worker.late_compiles.count == 0
-        dense, _ = _tokens(tiny_model_dir, prompts, dtype="bfloat16", num_draft_tokens=k)
+        llm = LLM(tiny_model_dir, device="cuda", dtype="bfloat16", num_draft_tokens=0)
+        assert not llm.engine.executor.worker.runner.dense_prompts
+        sparse = llm.generate(
+            prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=20)
+        )
     finally:
         monkeypatch.delenv("MTPSERVE_DENSE_PROMPTS")
         reload_settings()
+    fp32, llm = _tokens(tiny_model_dir, prompts, dtype="float32", num_draft_tokens=k)
+    assert llm.engine.executor.worker.runner.dense_prompts  # auto: on for CUDA
+    assert llm.engine.executor.worker.late_compiles.count == 0
+    dense, _ = _tokens(tiny_model_dir, prompts, dtype="bfloat16", num_draft_tokens=k)
     assert fp32 == cpu
     assert_equal_up_to_near_ties(sparse, dense)
