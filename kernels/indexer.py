@@ -44,19 +44,53 @@ def indexer_topk_reference(
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     if num_tokens == 0:
         return out
-    num_keys = int(positions.max()) + 1  # keys 0..S-1 of every token's sequence
-    keys_range = torch.arange(num_keys, device=q.device)
-    for rows in token_chunks(num_tokens, num_keys * head_dim):
-        pos = positions[rows]
-        span = keys_range.expand(pos.shape[0], num_keys)
-        keys = gather_token_rows(k_cache, block_tables, seq_idx[rows], span)
-        if is_fp8_cache(k_cache):
-            keys = unpack_fp8_rows_reference(keys, Fp8CacheLayout(head_dim))
-        keys = keys.float()  # [t, S, D]
-        scores = torch.einsum("thd,tsd->ths", q[rows].float(), keys) * softmax_scale
+    layout = Fp8CacheLayout(head_dim) if is_fp8_cache(k_cache) else None
+
+    def score(rows, keys: torch.Tensor, pattern: str) -> None:  # keys [S, D] or [t, S, D]
+        keys = (unpack_fp8_rows_reference(keys, layout) if layout else keys).float()
+        scores = torch.einsum(pattern, q[rows].float(), keys) * softmax_scale
         logits = torch.einsum("th,ths->ts", weights[rows].float(), scores.relu())  # [t, S]
-        out[rows] = topk_select_reference(logits, pos, topk)
+        out[rows] = topk_select_reference(logits, positions[rows], topk)
+
+    # A run of a prompt's tokens shares its sequence's keys: gathered once, one matmul.
+    runs, rest = _sequence_runs(seq_idx, RUN_MIN_TOKENS)
+    for run in runs:
+        num_keys = int(positions[run].max()) + 1
+        span = torch.arange(num_keys, device=q.device)[None, :]
+        keys = gather_token_rows(k_cache, block_tables, seq_idx[run.start : run.start + 1], span)
+        for part in token_chunks(run.stop - run.start, num_keys * weights.shape[1]):
+            score(slice(run.start + part.start, run.start + part.stop), keys[0], "thd,sd->ths")
+    # The other tokens (decodes, verifies, short chunks): each gathers its own sequence's keys.
+    if rest.numel():
+        num_keys = int(positions[rest].max()) + 1  # keys 0..S-1 of every token's sequence
+        span = torch.arange(num_keys, device=q.device)
+        for part in token_chunks(rest.numel(), num_keys * head_dim):
+            rows = rest[part]
+            keys = gather_token_rows(
+                k_cache, block_tables, seq_idx[rows], span.expand(rows.numel(), num_keys)
+            )
+            score(rows, keys, "thd,tsd->ths")
     return out
+
+
+# Tokens of one sequence in a row from which the twin scores them against one gather of that
+# sequence's keys (prompt chunks); shorter runs (decodes, verifies) are gathered per token, all
+# of them at once.
+RUN_MIN_TOKENS = 8
+
+
+def _sequence_runs(seq_idx: torch.Tensor, min_tokens: int) -> tuple[list[slice], torch.Tensor]:
+    """The step's runs of at least `min_tokens` consecutive tokens of one sequence, and the
+    indices of every other token."""
+    _, counts = torch.unique_consecutive(seq_idx, return_counts=True)
+    runs, rest, start = [], [], 0
+    for n in counts.tolist():
+        if n >= min_tokens:
+            runs.append(slice(start, start + n))
+        else:
+            rest.extend(range(start, start + n))
+        start += n
+    return runs, torch.tensor(rest, dtype=torch.long, device=seq_idx.device)
 
 
 def topk_select_reference(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:

@@ -59,3 +59,41 @@ def test_a_token_picks_the_same_keys_alone_and_in_a_verify_batch() -> None:
     assert (logits > 0).sum() < topk < 15
     assert sorted(verify[0].tolist()) == sorted(alone[0].tolist())
     assert sorted(alone[0].tolist()) == _earliest_first_oracle(logits.tolist(), 14, topk)
+
+
+def test_a_prompt_chunks_tokens_pick_what_each_picks_alone() -> None:
+    """The twin scores a run of a prompt's tokens against one gather of its sequence's keys
+    (`RUN_MIN_TOKENS` or more) and the step's other tokens each against their own: a step of a
+    20-token chunk, a decode, a 4-row verify and a 9-token chunk over shuffled blocks, with two
+    indexer heads (ties at exactly 0 common). Every row equals the token's row scored alone (a
+    decode step) and the earliest-first oracle's."""
+    from kernels.indexer import RUN_MIN_TOKENS
+
+    torch.manual_seed(11)
+    heads, dim, topk, block = 2, 16, 12, 8
+    k_cache = torch.randn(24, block, dim)
+    tables = torch.randperm(24, dtype=torch.int32).view(4, 6)
+    runs = [(0, range(10, 30)), (1, range(40, 41)), (2, range(20, 24)), (3, range(0, 9))]
+    assert [len(r) >= RUN_MIN_TOKENS for _, r in runs] == [True, False, False, True]
+    seq_idx = torch.tensor([s for s, r in runs for _ in r])
+    positions = torch.tensor([p for _, r in runs for p in r])
+    q = torch.randn(len(positions), heads, dim)
+    weights = torch.rand(len(positions), heads) + 0.5
+    step = indexer_topk_reference(q, weights, k_cache, tables, seq_idx, positions, topk, 1.0)
+    for t, (s, p) in enumerate(zip(seq_idx.tolist(), positions.tolist())):
+        alone = indexer_topk_reference(
+            q[t : t + 1],
+            weights[t : t + 1],
+            k_cache,
+            tables,
+            seq_idx[t : t + 1],
+            positions[t : t + 1],
+            topk,
+            1.0,
+        )[0]
+        slots = torch.arange(p + 1)
+        keys = k_cache[tables[s, slots // block].long(), slots % block]
+        logits = (weights[t, :, None] * torch.einsum("hd,sd->hs", q[t], keys).relu()).sum(0)
+        expected = _earliest_first_oracle(logits.tolist(), p, topk)
+        assert sorted(v for v in step[t].tolist() if v >= 0) == expected, (t, s, p)
+        assert torch.equal(step[t], alone), (t, s, p)
