@@ -16,7 +16,7 @@ from kernels.fp8_cache import (
     unpack_fp8_rows_reference,
 )
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
-from kernels.paged import gather_token_rows, token_chunks
+from kernels.paged import gather_token_rows, sequence_runs, token_chunks
 from kernels.platform import tl, triton
 
 
@@ -53,7 +53,7 @@ def indexer_topk_reference(
         out[rows] = topk_select_reference(logits, positions[rows], topk)
 
     # A run of a prompt's tokens shares its sequence's keys: gathered once, one matmul.
-    runs, rest = _sequence_runs(seq_idx, RUN_MIN_TOKENS)
+    runs, rest = sequence_runs(seq_idx)
     for run in runs:
         num_keys = int(positions[run].max()) + 1
         span = torch.arange(num_keys, device=q.device)[None, :]
@@ -71,26 +71,6 @@ def indexer_topk_reference(
             )
             score(rows, keys, "thd,tsd->ths")
     return out
-
-
-# Tokens of one sequence in a row from which the twin scores them against one gather of that
-# sequence's keys (prompt chunks); shorter runs (decodes, verifies) are gathered per token, all
-# of them at once.
-RUN_MIN_TOKENS = 8
-
-
-def _sequence_runs(seq_idx: torch.Tensor, min_tokens: int) -> tuple[list[slice], torch.Tensor]:
-    """The step's runs of at least `min_tokens` consecutive tokens of one sequence, and the
-    indices of every other token."""
-    _, counts = torch.unique_consecutive(seq_idx, return_counts=True)
-    runs, rest, start = [], [], 0
-    for n in counts.tolist():
-        if n >= min_tokens:
-            runs.append(slice(start, start + n))
-        else:
-            rest.extend(range(start, start + n))
-        start += n
-    return runs, torch.tensor(rest, dtype=torch.long, device=seq_idx.device)
 
 
 def topk_select_reference(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:

@@ -22,3 +22,24 @@ def gather_token_rows(
     block_size = cache.shape[1]
     blocks = block_tables.long()[seq_idx[:, None], positions // block_size]
     return cache[blocks, positions % block_size]
+
+
+# Tokens of one sequence in a row from which a twin reads that sequence's cache rows once for all
+# of them (prompt chunks); shorter runs (decodes, verifies) are gathered per token, all at once.
+RUN_MIN_TOKENS = 8
+
+
+def sequence_runs(
+    seq_idx: torch.Tensor, min_tokens: int = RUN_MIN_TOKENS
+) -> tuple[list[slice], torch.Tensor]:
+    """The step's runs of at least `min_tokens` consecutive tokens of one sequence, and the
+    indices (int64) of every other token."""
+    _, counts = torch.unique_consecutive(seq_idx, return_counts=True)
+    runs, rest, start = [], [], 0
+    for n in counts.tolist():
+        if n >= min_tokens:
+            runs.append(slice(start, start + n))
+        else:
+            rest.extend(range(start, start + n))
+        start += n
+    return runs, torch.tensor(rest, dtype=torch.long, device=seq_idx.device)

@@ -16,7 +16,7 @@ from kernels.fp8_cache import (
     unpack_fp8_rows_reference,
 )
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
-from kernels.paged import gather_token_rows, token_chunks
+from kernels.paged import gather_token_rows, sequence_runs, token_chunks
 from kernels.platform import tl, triton
 
 
@@ -55,17 +55,50 @@ def sparse_mla_attention_reference(
     num_tokens, num_heads, width = q.shape
     layout = latent_cache_layout(kv_lora_rank, width, q.dtype)
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    for rows in token_chunks(num_tokens, topk_indices.shape[1] * width):
+    num_picks = topk_indices.shape[1]
+
+    def rows_of(cache_rows: torch.Tensor) -> torch.Tensor:
+        unpacked = (
+            unpack_fp8_rows_reference(cache_rows, layout) if is_fp8_cache(kv_cache) else cache_rows
+        )
+        return unpacked.float()
+
+    # A run of a prompt's tokens whose picks lie among few of its sequence's positions: the
+    # latents of those positions gathered once, and each token's softmax over its picks as a
+    # softmax over them all, weighted by how often the token picked each (0: -inf). The same sum.
+    runs, rest = sequence_runs(seq_idx)
+    for run in runs:
+        idx = topk_indices[run].long()
+        num_keys = int(idx.max()) + 1
+        if num_keys > MASKED_KEYS_PER_PICK * num_picks:
+            rest = torch.cat([rest, torch.arange(run.start, run.stop, device=rest.device)])
+            continue
+        span = torch.arange(num_keys, device=q.device)[None, :]
+        latents = rows_of(gather_token_rows(kv_cache, block_tables, seq_idx[run][:1], span))[0]
+        for part in token_chunks(run.stop - run.start, num_heads * num_keys):
+            rows = slice(run.start + part.start, run.start + part.stop)
+            picks = idx[part].clamp(min=0)
+            counts = torch.zeros(picks.shape[0], num_keys, device=q.device)
+            counts.scatter_add_(1, picks, (idx[part] >= 0).float())
+            scores = torch.einsum("thw,sw->ths", q[rows].float(), latents) * softmax_scale
+            probs = (scores + counts.log()[:, None, :]).softmax(-1)
+            out[rows] = torch.einsum("ths,sl->thl", probs, latents[:, :kv_lora_rank]).to(q.dtype)
+    # The other tokens (decodes, verifies, short chunks): each gathers its own picks.
+    for part in token_chunks(rest.numel(), num_picks * width):
+        rows = rest[part]
         idx = topk_indices[rows].long()  # [t, K]
-        picked = gather_token_rows(kv_cache, block_tables, seq_idx[rows], idx.clamp(min=0))
-        if is_fp8_cache(kv_cache):
-            picked = unpack_fp8_rows_reference(picked, layout)  # [t, K, W] fp32
-        picked = picked.float()  # [t, K, W]
+        picked = rows_of(gather_token_rows(kv_cache, block_tables, seq_idx[rows], idx.clamp(min=0)))
         scores = torch.einsum("thw,tkw->thk", q[rows].float(), picked) * softmax_scale
         scores = scores.masked_fill((idx < 0)[:, None, :], float("-inf"))
         probs = scores.softmax(-1)
         out[rows] = torch.einsum("thk,tkl->thl", probs, picked[..., :kv_lora_rank]).to(q.dtype)
     return out
+
+
+# A run of prompt tokens attends over its sequence's first positions up to its latest pick at
+# once where those are at most this many times the picks a token has (else a token's gather of
+# its picks alone costs less).
+MASKED_KEYS_PER_PICK = 4
 
 
 def latent_cache_layout(kv_lora_rank: int, width: int, dtype: torch.dtype) -> Fp8CacheLayout:

@@ -67,7 +67,7 @@ def test_a_prompt_chunks_tokens_pick_what_each_picks_alone() -> None:
     20-token chunk, a decode, a 4-row verify and a 9-token chunk over shuffled blocks, with two
     indexer heads (ties at exactly 0 common). Every row equals the token's row scored alone (a
     decode step) and the earliest-first oracle's."""
-    from kernels.indexer import RUN_MIN_TOKENS
+    from kernels.paged import RUN_MIN_TOKENS
 
     torch.manual_seed(11)
     heads, dim, topk, block = 2, 16, 12, 8
