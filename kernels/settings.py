@@ -16,7 +16,8 @@
 - `MTPSERVE_DENSE_PROMPTS` (`dense_prompts`, one of `DENSE_PROMPT_MODES`): whether an eager
   step's prompt tokens before the indexer's top-k size attend densely (unabsorbed causal
   attention, no indexer scoring; `workers.model_runner.ModelRunner._dense_rows`). `auto` (unset:
-  the default) where the dense path has been verified: the CPU and CUDA; on (1 / true / yes / on)
+  the default) for the CPU in fp32 only (in 16 bits greedy output would then depend on the
+  schedule: `workers.attention_metadata.dense_prompts_on`); on (1 / true / yes / on)
   everywhere; off (0 / false / no) nowhere;
 - `TRITON_INTERPRET=1` (`triton_interpret`): Triton's interpreter runs the kernels (no PDL);
 - `TRITON_CACHE_DIR` (`triton_cache_dir`): where compiled kernels go (unset: under

@@ -35,12 +35,18 @@ class DenseSpans:
     sparse_rows: torch.Tensor | None = None  # int64 [T - sum(q_lens)]
 
 
-def dense_prompts_on(device: torch.device) -> bool:
-    """Whether prompt tokens before index_topk attend densely on this device
-    (MTPSERVE_DENSE_PROMPTS): `auto` where the dense path is verified, the CPU (the twin) and
-    CUDA (PyTorch's flash-attention kernel in 16 bits, the twin in fp32)."""
+def dense_prompts_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether prompt tokens before index_topk attend densely for a model on this device in
+    this dtype (MTPSERVE_DENSE_PROMPTS). `auto` turns it on for the CPU in fp32 (its default).
+    On CUDA it is verified (the flash path, and fp32 greedy equal to the CPU's) and faster
+    (BENCHMARKS.md, session 45), but which path a prompt token takes depends on its step: a
+    graph-replayed step (prompt rows beside decodes) and a step past `_dense_rows`' memory
+    bound stay sparse. In 16 bits the two paths round differently, by as much as bf16 itself
+    moves the tiny model's logprobs (up to 0.7 against fp32), so greedy output would depend on
+    the schedule: graphs against eager, MTP on against off. In fp32 they agree to its last
+    bits. `on` opts in where prefill speed matters more than that identity."""
     mode = settings().dense_prompts
-    return mode == "on" or (mode == "auto" and device.type in ("cpu", "cuda"))
+    return mode == "on" or (mode == "auto" and device.type == "cpu" and dtype == torch.float32)
 
 
 def dense_spans(

@@ -103,7 +103,7 @@ class ModelRunner:
         # An eager step's prompt tokens before the indexer's top-k size attend densely
         # (`_dense_rows`): their top-k would be every position. The warm-up turns this off for
         # its dummy prefills of the sparse path's kernels.
-        self.dense_prompts = dense_prompts_on(device)
+        self.dense_prompts = dense_prompts_on(device, model.dtype)
         # From this many tokens a step of prompt tokens only runs eagerly inside
         # `ops.prompt_step`, so an FP8 model's matmuls take the w8a8 kernels there (the graphs
         # hold the w8a16 ones); None: never (no FP8 weights, or w8a8 not for prompt steps here).

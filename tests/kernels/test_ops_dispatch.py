@@ -147,7 +147,7 @@ def test_w8a8_modes(monkeypatch, value, mode) -> None:
 
 @pytest.mark.parametrize(
     "value, mode, cpu, cuda, mps",
-    [("", "auto", True, True, False), ("auto", "auto", True, True, False)]
+    [("", "auto", True, False, False), ("auto", "auto", True, False, False)]
     + [("1", "on", True, True, True), ("ON", "on", True, True, True)]
     + [("off", "off", False, False, False), ("0", "off", False, False, False)],
 )
@@ -156,9 +156,11 @@ def test_dense_prompt_modes(monkeypatch, value, mode, cpu, cuda, mps) -> None:
 
     monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", value)
     assert reload_settings().dense_prompts == mode
-    assert dense_prompts_on(torch.device("cpu")) == cpu
-    assert dense_prompts_on(torch.device("cuda")) == cuda
-    assert dense_prompts_on(torch.device("mps")) == mps  # not verified there: auto keeps it off
+    assert dense_prompts_on(torch.device("cpu"), torch.float32) == cpu
+    assert dense_prompts_on(torch.device("cpu"), torch.bfloat16) == (mode == "on")
+    assert dense_prompts_on(torch.device("cuda"), torch.float32) == cuda
+    assert dense_prompts_on(torch.device("cuda"), torch.bfloat16) == cuda
+    assert dense_prompts_on(torch.device("mps"), torch.float32) == mps
     monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", "dense")
     with pytest.raises(SettingsError, match="MTPSERVE_DENSE_PROMPTS='dense'"):
         reload_settings()

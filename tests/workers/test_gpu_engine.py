@@ -299,36 +299,51 @@ def test_gpu_a_second_engines_warm_up_is_not_the_firsts_late_compile(tiny_model_
     assert second.engine.executor.worker.late_compiles.count == 0
 
 
+def _first_token_logprobs(llm, prompts) -> list[dict[int, float]]:
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=20)
+    return [dict(o.logprobs[0]["top"]) for o in llm.generate(prompts, params)]
+
+
+def _logprob_error(reference, rows) -> float:
+    """Mean over prompts of the largest |logprob - reference's| among the top-20 both hold."""
+    worst = [max(abs(r[t] - x[t]) for t in r.keys() & x.keys()) for r, x in zip(reference, rows)]
+    return sum(worst) / len(worst)
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_gpu_dense_prompt_steps(tiny_model_dir, prompts, monkeypatch, k):
-    """Prompt tokens before index_topk attend densely on the GPU by default (PyTorch's flash
-    kernel in bf16, the twin in fp32). fp32 greedy equals the CPU's (dense there too), with MTP
-    k and without; bf16 greedy with the dense path and MTP k equals bf16 greedy on the sparse
-    path (MTPSERVE_DENSE_PROMPTS=off) up to near ties (the prompt steps differ in their last
-    bits)."""
+    """MTPSERVE_DENSE_PROMPTS=on: prompt tokens before index_topk attend densely on the GPU
+    (PyTorch's flash kernel in bf16, the twin in fp32). fp32 greedy equals the CPU's, with MTP
+    k and without. In bf16 the dense path is a different rounding of the same attention: the
+    prompts' first-token logprobs are as close to fp32's as the sparse path's are (bf16 itself
+    moves this random model's by up to ~0.7), and greedy with MTP k equals greedy without it up
+    to near ties (the prompts take one path in both). Nothing compiles after warm-up."""
     from kernels.settings import reload_settings
 
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    cpu = [
-        o.token_ids
-        for o in LLM(tiny_model_dir, num_draft_tokens=0, device="cpu", dtype="float32").generate(
-            prompts, params
-        )
-    ]
-    monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", "off")
+    cpu_llm = LLM(tiny_model_dir, num_draft_tokens=0, device="cpu", dtype="float32")
+    cpu = [o.token_ids for o in cpu_llm.generate(prompts, params)]
+    reference = _first_token_logprobs(cpu_llm, prompts)
+    sparse_llm = LLM(tiny_model_dir, device="cuda", dtype="bfloat16", num_draft_tokens=0)
+    assert not sparse_llm.engine.executor.worker.runner.dense_prompts  # the default on CUDA
+    sparse = _first_token_logprobs(sparse_llm, prompts)
+    monkeypatch.setenv("MTPSERVE_DENSE_PROMPTS", "on")
     reload_settings()
     try:
-        llm = LLM(tiny_model_dir, device="cuda", dtype="bfloat16", num_draft_tokens=0)
-        assert not llm.engine.executor.worker.runner.dense_prompts
-        sparse = llm.generate(
+        fp32, llm = _tokens(tiny_model_dir, prompts, dtype="float32", num_draft_tokens=k)
+        assert llm.engine.executor.worker.runner.dense_prompts
+        assert llm.engine.executor.worker.late_compiles.count == 0
+        plain = LLM(tiny_model_dir, device="cuda", dtype="bfloat16", num_draft_tokens=0)
+        dense = _first_token_logprobs(plain, prompts)
+        plain_out = plain.generate(
             prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=20)
         )
+        mtp, llm = _tokens(tiny_model_dir, prompts, dtype="bfloat16", num_draft_tokens=k)
+        assert llm.engine.executor.worker.late_compiles.count == 0
     finally:
         monkeypatch.delenv("MTPSERVE_DENSE_PROMPTS")
         reload_settings()
-    fp32, llm = _tokens(tiny_model_dir, prompts, dtype="float32", num_draft_tokens=k)
-    assert llm.engine.executor.worker.runner.dense_prompts  # auto: on for CUDA
-    assert llm.engine.executor.worker.late_compiles.count == 0
-    dense, _ = _tokens(tiny_model_dir, prompts, dtype="bfloat16", num_draft_tokens=k)
     assert fp32 == cpu
-    assert_equal_up_to_near_ties(sparse, dense)
+    dense_error, sparse_error = _logprob_error(reference, dense), _logprob_error(reference, sparse)
+    assert 0 < dense_error <= 1.5 * sparse_error + 0.02, (dense_error, sparse_error)
+    assert_equal_up_to_near_ties(plain_out, mtp)
