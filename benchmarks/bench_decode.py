@@ -217,8 +217,9 @@ class DecodeBench:
         `context` cached ones, and the LM head on each sequence's last token. More than one
         token a sequence is a step of prompt chunks: it runs inside `ops.prompt_step`, as the
         model runner runs one (an FP8 model's matmuls then take w8a8 by default), and where
-        its tokens all lie before index_topk it attends densely as the runner's does
-        (`ModelRunner._dense_rows`), unless `dense` is False."""
+        its tokens all lie before index_topk it attends densely as the runner's does with
+        MTPSERVE_DENSE_PROMPTS on (`ModelRunner._dense_rows`; the default on the CPU in fp32
+        only), unless `dense` is False."""
         from kernels import ops
         from workers.attention_metadata import AttentionMetadata, dense_spans
 
@@ -825,8 +826,9 @@ def run_single(args, emit, bw: float) -> None:
     if args.mtp_gaps:
         mtp_round_gaps(bench, model, bench.graphs(True, max(BATCHES)), trace=args.trace)
         return
-    # A chunk that ends before index_topk attends densely (the runner's rule); the same chunk
-    # on the sparse path beside it.
+    # A chunk that ends before index_topk attends densely (the runner's rule with
+    # MTPSERVE_DENSE_PROMPTS on; on CUDA the default is off); the same chunk on the sparse path,
+    # the default, beside it.
     emit("\n| prefill chunk | after context | attention | ms | prefill tok/s |")
     emit("|---|---|---|---|---|")
     dense_until = config.index_topk

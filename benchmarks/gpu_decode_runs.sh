@@ -16,9 +16,10 @@
 #                                               # the kernels of a chunk in FP8 and in bf16
 #   bash benchmarks/gpu_decode_runs.sh mla      # sparse-MLA tiles for a 2048-token prefill chunk
 #   bash benchmarks/gpu_decode_runs.sh dense    # prompt steps before index_topk attending densely
-#                                               # (MTPSERVE_DENSE_PROMPTS=on): the flash path's
-#                                               # and the engine's GPU tests, then prefill FP8
-#                                               # and bf16 (context 0: dense and sparse rows)
+#                                               # (MTPSERVE_DENSE_PROMPTS=on, opt-in on CUDA):
+#                                               # the flash path's and the engine's GPU tests,
+#                                               # warm-up with it on, then prefill FP8 and bf16
+#                                               # (context 0: dense and sparse rows)
 set -euo pipefail
 part=${1:-decode}
 export PYTHONPATH=$PWD
@@ -53,8 +54,11 @@ case "$part" in
   mla)
     python3 benchmarks/bench_kernels.py --sweep-mla-prefill 2>&1 | grep -v -i warn ;;
   dense)
-    MTPSERVE_DENSE_PROMPTS=on python3 -m pytest -q -m gpu tests/kernels/test_varlen_attention.py \
-      tests/workers/test_gpu_engine.py -k "varlen or dense or nothing_compiles" 2>&1 | tail -5
+    # The dense test turns MTPSERVE_DENSE_PROMPTS on itself (its sparse run needs the default).
+    python3 -m pytest -q -m gpu tests/kernels/test_varlen_attention.py \
+      tests/workers/test_gpu_engine.py -k "varlen or dense" 2>&1 | tail -5
+    MTPSERVE_DENSE_PROMPTS=on python3 -m pytest -q -m gpu tests/workers/test_gpu_engine.py \
+      -k nothing_compiles 2>&1 | tail -5
     for a in --fp8 ""; do
       echo "== prefill $a"
       python3 benchmarks/bench_decode.py --skip-transformers --prefill-only --share-experts $a \
