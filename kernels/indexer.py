@@ -16,7 +16,7 @@ from kernels.fp8_cache import (
     unpack_fp8_rows_reference,
 )
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
-from kernels.paged import gather_token_rows, sequence_runs, token_chunks
+from kernels.paged import gather_token_rows, row_chunks, sequence_runs
 from kernels.platform import tl, triton
 
 
@@ -58,17 +58,16 @@ def indexer_topk_reference(
         num_keys = int(positions[run].max()) + 1
         span = torch.arange(num_keys, device=q.device)[None, :]
         keys = gather_token_rows(k_cache, block_tables, seq_idx[run.start : run.start + 1], span)
-        for part in token_chunks(run.stop - run.start, num_keys * weights.shape[1]):
-            score(slice(run.start + part.start, run.start + part.stop), keys[0], "thd,sd->ths")
+        for rows in row_chunks(run, num_keys * weights.shape[1]):
+            score(rows, keys[0], "thd,sd->ths")
     # The other tokens (decodes, verifies, short chunks): each gathers its own sequence's keys.
-    if rest.numel():
-        num_keys = int(positions[rest].max()) + 1  # keys 0..S-1 of every token's sequence
+    rest_positions = positions[rest]
+    if rest_positions.numel():
+        num_keys = int(rest_positions.max()) + 1  # keys 0..S-1 of every token's sequence
         span = torch.arange(num_keys, device=q.device)
-        for part in token_chunks(rest.numel(), num_keys * head_dim):
-            rows = rest[part]
-            keys = gather_token_rows(
-                k_cache, block_tables, seq_idx[rows], span.expand(rows.numel(), num_keys)
-            )
+        for rows in row_chunks(rest, num_keys * head_dim):
+            ids = seq_idx[rows]
+            keys = gather_token_rows(k_cache, block_tables, ids, span.expand(ids.numel(), num_keys))
             score(rows, keys, "thd,tsd->ths")
     return out
 

@@ -31,10 +31,16 @@ RUN_MIN_TOKENS = 8
 
 def sequence_runs(
     seq_idx: torch.Tensor, min_tokens: int = RUN_MIN_TOKENS
-) -> tuple[list[slice], torch.Tensor]:
-    """The step's runs of at least `min_tokens` consecutive tokens of one sequence, and the
-    indices (int64) of every other token."""
+) -> tuple[list[slice], slice | torch.Tensor]:
+    """The step's runs of at least `min_tokens` consecutive tokens of one sequence, and its
+    other tokens: a slice of them all where there is no run (a decode step: views, no index
+    built), else their indices (int64)."""
+    num_tokens = seq_idx.numel()
+    if num_tokens < min_tokens:
+        return [], slice(0, num_tokens)
     _, counts = torch.unique_consecutive(seq_idx, return_counts=True)
+    if int(counts.max()) < min_tokens:
+        return [], slice(0, num_tokens)
     runs, rest, start = [], [], 0
     for n in counts.tolist():
         if n >= min_tokens:
@@ -43,3 +49,11 @@ def sequence_runs(
             rest.extend(range(start, start + n))
         start += n
     return runs, torch.tensor(rest, dtype=torch.long, device=seq_idx.device)
+
+
+def row_chunks(rows: slice | torch.Tensor, elements_per_token: int) -> list[slice | torch.Tensor]:
+    """`rows` (a slice, or indices) in consecutive parts within GATHER_BUDGET_ELEMENTS."""
+    if isinstance(rows, slice):
+        parts = token_chunks(rows.stop - rows.start, elements_per_token)
+        return [slice(rows.start + p.start, rows.start + p.stop) for p in parts]
+    return [rows[p] for p in token_chunks(rows.numel(), elements_per_token)]

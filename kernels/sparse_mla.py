@@ -16,7 +16,7 @@ from kernels.fp8_cache import (
     unpack_fp8_rows_reference,
 )
 from kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, dot_in_fp32, launch
-from kernels.paged import gather_token_rows, sequence_runs, token_chunks
+from kernels.paged import gather_token_rows, row_chunks, sequence_runs
 from kernels.platform import tl, triton
 
 
@@ -63,35 +63,37 @@ def sparse_mla_attention_reference(
         )
         return unpacked.float()
 
+    def attend_own_picks(rows) -> None:  # each token gathers its picks
+        idx = topk_indices[rows].long()  # [t, K]
+        picked = gather_token_rows(kv_cache, block_tables, seq_idx[rows], idx.clamp(min=0))
+        picked = rows_of(picked)  # [t, K, W] fp32
+        scores = torch.einsum("thw,tkw->thk", q[rows].float(), picked) * softmax_scale
+        scores = scores.masked_fill((idx < 0)[:, None, :], float("-inf"))
+        probs = scores.softmax(-1)
+        out[rows] = torch.einsum("thk,tkl->thl", probs, picked[..., :kv_lora_rank]).to(q.dtype)
+
     # A run of a prompt's tokens whose picks lie among few of its sequence's positions: the
     # latents of those positions gathered once, and each token's softmax over its picks as a
     # softmax over them all, weighted by how often the token picked each (0: -inf). The same sum.
     runs, rest = sequence_runs(seq_idx)
     for run in runs:
-        idx = topk_indices[run].long()
-        num_keys = int(idx.max()) + 1
+        num_keys = int(topk_indices[run].max()) + 1
         if num_keys > MASKED_KEYS_PER_PICK * num_picks:
-            rest = torch.cat([rest, torch.arange(run.start, run.stop, device=rest.device)])
+            for rows in row_chunks(run, num_picks * width):
+                attend_own_picks(rows)
             continue
         span = torch.arange(num_keys, device=q.device)[None, :]
         latents = rows_of(gather_token_rows(kv_cache, block_tables, seq_idx[run][:1], span))[0]
-        for part in token_chunks(run.stop - run.start, num_heads * num_keys):
-            rows = slice(run.start + part.start, run.start + part.stop)
-            picks = idx[part].clamp(min=0)
-            counts = torch.zeros(picks.shape[0], num_keys, device=q.device)
-            counts.scatter_add_(1, picks, (idx[part] >= 0).float())
+        for rows in row_chunks(run, num_heads * num_keys):
+            idx = topk_indices[rows].long()
+            counts = torch.zeros(idx.shape[0], num_keys, device=q.device)
+            counts.scatter_add_(1, idx.clamp(min=0), (idx >= 0).float())
             scores = torch.einsum("thw,sw->ths", q[rows].float(), latents) * softmax_scale
             probs = (scores + counts.log()[:, None, :]).softmax(-1)
             out[rows] = torch.einsum("ths,sl->thl", probs, latents[:, :kv_lora_rank]).to(q.dtype)
-    # The other tokens (decodes, verifies, short chunks): each gathers its own picks.
-    for part in token_chunks(rest.numel(), num_picks * width):
-        rows = rest[part]
-        idx = topk_indices[rows].long()  # [t, K]
-        picked = rows_of(gather_token_rows(kv_cache, block_tables, seq_idx[rows], idx.clamp(min=0)))
-        scores = torch.einsum("thw,tkw->thk", q[rows].float(), picked) * softmax_scale
-        scores = scores.masked_fill((idx < 0)[:, None, :], float("-inf"))
-        probs = scores.softmax(-1)
-        out[rows] = torch.einsum("thk,tkl->thl", probs, picked[..., :kv_lora_rank]).to(q.dtype)
+    # The other tokens (decodes, verifies, short chunks).
+    for rows in row_chunks(rest, num_picks * width):
+        attend_own_picks(rows)
     return out
 
 
